@@ -25,7 +25,11 @@ or deleted character changes the histogram by at most that much: the q = 1 case 
 "Approximate string matching with q-grams and maximal matches", 1992). The bound never rejects a true link,
 so the result is exactly the definition above. Exact checks run in two batched rounds (each node's most
 promising candidate first, then only the candidates whose nodes are still in different components): pairs
-already connected cannot change the partition and are never compared.
+already connected cannot change the partition and are never compared. Before the second round, whose pairs
+are mostly different states (rapidfuzz cannot stop early on them), a sharper bound prunes them: the L1
+distance of UTF-8 byte-*bigram* histograms (folded to 512 bins) divided by ``2 + max_utf8_len`` (one
+inserted or deleted character of ``u`` bytes removes one bigram and adds ``u + 1``: the q = 2 case of the
+same lemma). It costs one histogram per node that still has such a pair, so it runs only there.
 """
 
 from __future__ import annotations
@@ -198,6 +202,44 @@ def _candidate_pairs(
     return torch.cat(firsts), torch.cat(seconds), torch.cat(lowers)
 
 
+#: Bins of the folded byte-bigram histogram (folding merges bins, which can only shrink an L1 distance).
+BIGRAM_BINS = 512
+
+
+def _bigram_profiles(strings: list[str]) -> torch.Tensor:
+    """int32 (n, BIGRAM_BINS): each string's UTF-8 byte-bigram histogram, bigram ``(x, y)`` in bin
+    ``(131 x + y) mod 512`` (any fixed folding keeps the lower bound of :func:`_bigram_lower_bound` valid)."""
+    hist = np.zeros((len(strings), BIGRAM_BINS), dtype=np.int32)
+    for i, s in enumerate(strings):
+        b = np.frombuffer(s.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+        if b.size > 1:
+            key = b[:-1] * 131  # uint16: 255 * 131 + 255 < 2^16
+            key += b[1:]
+            key &= BIGRAM_BINS - 1
+            hist[i] = np.bincount(key, minlength=BIGRAM_BINS)
+    return torch.from_numpy(hist)
+
+
+def _bigram_lower_bound(
+    strings: list[str], first: torch.Tensor, second: torch.Tensor, divisor: torch.Tensor, chunk: int = 4096
+) -> torch.Tensor:
+    """int64 (P,): a lower bound on ``indel(strings[first], strings[second])`` from bigram histograms.
+
+    An inserted or deleted character of ``u`` UTF-8 bytes removes one byte bigram and adds ``u + 1`` (or
+    fewer at either end), so ``indel >= L1 / (2 + u_max)``: 3 when both strings are ASCII (``divisor`` 1),
+    else 6 (``divisor`` 4, i.e. u_max = 4). Pairs are processed ``chunk`` at a time to bound the memory.
+    """
+    nodes, inverse = torch.unique(torch.cat([first, second]), return_inverse=True)
+    hist = _bigram_profiles([strings[i] for i in nodes.tolist()]).numpy()  # (m, BIGRAM_BINS)
+    if hist.max(initial=0) < 2**15:
+        hist = hist.astype(np.int16)  # differences of counts < 2^15 fit int16: half the memory traffic
+    a, b = inverse[: first.numel()].numpy(), inverse[first.numel():].numpy()
+    l1 = np.concatenate([np.abs(hist[a[k : k + chunk]] - hist[b[k : k + chunk]]).sum(1, dtype=np.int64)
+                         for k in range(0, a.size, chunk)])
+    div = torch.maximum(divisor[first], divisor[second]) + 2
+    return (torch.from_numpy(l1) + div - 1) // div
+
+
 def max_linked_distance(total: torch.Tensor, thresh: float) -> torch.Tensor:
     """int64: an upper bound on the Indel distance of any linked pair whose lengths sum to ``total``.
 
@@ -285,9 +327,14 @@ def similarity_anchor_groups(
     rest = torch.ones(first.numel(), dtype=torch.bool)
     rest[round1] = False
     rest &= component[first] != component[second]
-    linked2 = _links(strings, first[rest], second[rest], lengths, similarity_thresh)
-    src = torch.cat([first[round1][linked1], first[rest][linked2]])
-    dst = torch.cat([second[round1][linked1], second[rest][linked2]])
+    first2, second2 = first[rest], second[rest]
+    if first2.numel():  # sharper (bigram) bound before the costly exact checks, see module doc
+        total = lengths[first2] + lengths[second2]
+        keep = _bigram_lower_bound(strings, first2, second2, divisor) <= max_linked_distance(total, similarity_thresh)
+        first2, second2 = first2[keep], second2[keep]
+    linked2 = _links(strings, first2, second2, lengths, similarity_thresh)
+    src = torch.cat([first[round1][linked1], first2[linked2]])
+    dst = torch.cat([second[round1][linked1], second2[linked2]])
     component = connected_components(num_nodes, src, dst)  # (num_nodes,)
     return renumber_by_first_appearance(component[node_of_row])
 

@@ -18,9 +18,9 @@ from tiny_models import make_tiny_hf_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
 
-#: bf16 log-probs of the tiny random model against fp32 HF: 8-bit mantissas through 2 layers; the
-#: measured value is printed by the test (update it here when the device run shows otherwise).
-BF16_LOG_PROB_ATOL = 0.25
+#: bf16 log-probs of the tiny random model against fp32 HF: 8-bit mantissas through 2 layers. Measured
+#: 9.9e-2 on an H200 (2026-11-30, torch 2.11, scripts/device_check.sh); the test prints it, 2x margin here.
+BF16_LOG_PROB_ATOL = 0.2
 
 
 def _cuda_rank(rank: int, world_size: int, model_dir) -> dict:

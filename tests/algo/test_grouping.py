@@ -12,7 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rapidfuzz.distance import Indel
 
-from megatron_gigpo.algo.grouping import anchor_key, anchor_state_groups, connected_components, factorize
+from megatron_gigpo.algo.grouping import (
+    _bigram_lower_bound,
+    _char_profiles,
+    anchor_key,
+    anchor_state_groups,
+    connected_components,
+    factorize,
+)
 from megatron_gigpo.algo.oracle import lcs_similarity, oracle_groups
 
 pytestmark = pytest.mark.unit
@@ -103,6 +110,22 @@ def test_similarity_groups_match_single_linkage_oracle(rows, thresh, seed):
     perm = random.Random(seed).sample(range(len(rows)), len(rows))
     moved, _ = _groups([uids[i] for i in perm], [anchors[i] for i in perm], similarity=True, thresh=thresh)
     assert _same_partition(moved.tolist(), group[perm].tolist())
+
+
+@SETTINGS
+@given(pairs=st.lists(st.tuples(st.text(alphabet=ALPHABET, max_size=40), st.text(alphabet=ALPHABET, max_size=40)),
+                      min_size=1, max_size=8))
+def test_histogram_bounds_never_exceed_the_indel_distance(pairs):
+    # The filters may only drop pairs that cannot link: each lower bound <= the true Indel distance.
+    strings = [s for pair in pairs for s in pair]
+    first, second = torch.arange(0, len(strings), 2), torch.arange(1, len(strings), 2)
+    lengths, hist, divisor = _char_profiles(strings)
+    div = torch.maximum(divisor[first], divisor[second])
+    unigram = ((hist[first] - hist[second]).abs().sum(1) + div - 1) // div
+    bigram = _bigram_lower_bound(strings, first, second, divisor)
+    truth = torch.tensor([Indel.distance(a, b) for a, b in pairs])
+    assert bool((unigram <= truth).all()) and bool((bigram <= truth).all())
+    assert bool(((lengths[first] - lengths[second]).abs() <= truth).all())
 
 
 def _pages(rng: random.Random, num_uids: int, visits: int) -> tuple[list[str], list[str]]:
