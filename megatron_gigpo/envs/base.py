@@ -9,6 +9,7 @@ shape, dtype and bytes define it).
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +117,16 @@ class Environment(abc.ABC):
     @abc.abstractmethod
     def project_action(self, response_text: str, admissible_actions: list[str] | None) -> ProjectedAction:
         """Map a raw model response to the action to execute and the format-validity (penalty) flag."""
+
+    @classmethod
+    def prepare_steps(cls, envs: Sequence["Environment"], actions: Sequence[str]) -> None:
+        """Called by an environment worker with all of its environments of this class that are about to step,
+        and their projected actions, before it calls :meth:`step` on each in turn: a hook to batch work the
+        steps share (search QA sends one retrieval request per worker and turn instead of one per slot).
+
+        It must not change any step's result, only how fast it comes; an exception here is ignored by the
+        worker (each step then does its own work and reports its own error). Default: nothing.
+        """
 
     def close(self) -> None:
         """Release resources (processes, file handles). Default: nothing."""

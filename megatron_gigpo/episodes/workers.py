@@ -13,6 +13,7 @@ live on different workers whenever there are several.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 import traceback
@@ -27,6 +28,7 @@ from megatron_gigpo.envs.base import Environment, ProjectedAction, ResetResult, 
 from megatron_gigpo.envs.registry import ENVIRONMENTS, make_env
 
 EnvFactory = Callable[[], Environment]
+logger = logging.getLogger(__name__)
 
 
 def _make_registered_env(env_name: str, env_kwargs: dict[str, Any]) -> Environment:
@@ -111,19 +113,41 @@ class EnvWorker:
         return outcomes
 
     def step(self, requests: Sequence[tuple[int, str]]) -> list[EnvOutcome]:
-        """For each ``(slot, response_text)``: project the response to an action and step the environment."""
-        outcomes = []
-        for slot, response_text in requests:
+        """For each ``(slot, response_text)``: project the response to an action and step the environment.
+
+        All projections come first, then each environment class's :meth:`Environment.prepare_steps` sees
+        its slots' actions at once (to batch shared work such as retrieval), then the slots step in order.
+        """
+        outcomes: list[EnvOutcome | None] = [None] * len(requests)
+        projected: dict[int, ProjectedAction] = {}
+        for i, (slot, response_text) in enumerate(requests):
             try:
-                env = self._envs[slot]
-                projected = env.project_action(response_text, self._admissible[slot])
-                result = env.step(projected.action)
-                self._admissible[slot] = result.admissible_actions
-                outcomes.append(EnvOutcome(result=result, projected=projected))
+                projected[i] = self._envs[slot].project_action(response_text, self._admissible[slot])
             except Exception:  # noqa: BLE001 - reported per slot, the episode ends as failed
                 self._drop(slot)
-                outcomes.append(EnvOutcome(result=None, error=_describe(self._index, slot, "step")))
-        return outcomes
+                outcomes[i] = EnvOutcome(result=None, error=_describe(self._index, slot, "step"))
+        self._prepare_steps({i: (self._envs[requests[i][0]], p.action) for i, p in projected.items()})
+        for i, p in projected.items():
+            slot = requests[i][0]
+            try:
+                result = self._envs[slot].step(p.action)
+                self._admissible[slot] = result.admissible_actions
+                outcomes[i] = EnvOutcome(result=result, projected=p)
+            except Exception:  # noqa: BLE001 - reported per slot, the episode ends as failed
+                self._drop(slot)
+                outcomes[i] = EnvOutcome(result=None, error=_describe(self._index, slot, "step"))
+        return outcomes  # type: ignore[return-value] - every entry was set above
+
+    @staticmethod
+    def _prepare_steps(pending: dict[int, tuple[Environment, str]]) -> None:
+        by_class: dict[type[Environment], list[tuple[Environment, str]]] = {}
+        for env, action in pending.values():
+            by_class.setdefault(type(env), []).append((env, action))
+        for cls, pairs in by_class.items():
+            try:
+                cls.prepare_steps([env for env, _ in pairs], [action for _, action in pairs])
+            except Exception:  # noqa: BLE001 - only a speed-up: each step redoes its work and reports errors
+                logger.debug("%s.prepare_steps raised; stepping without it", cls.__name__, exc_info=True)
 
     def close(self) -> None:
         for slot in list(self._envs):

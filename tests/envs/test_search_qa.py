@@ -36,6 +36,7 @@ from megatron_gigpo.envs.search_qa import (
     read_qa_file,
 )
 from megatron_gigpo.envs.search_qa.bm25 import Bm25Retriever
+from megatron_gigpo.envs.search_qa.retriever import Retriever
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD_TOOL = REPO / "tools" / "build_search_index.py"
@@ -418,3 +419,43 @@ def test_unreachable_retriever_url_is_named(tmp_path: Path, search_qa_wiki18: Pa
     with pytest.raises(RetrieverUnavailableError) as excinfo:
         build_retriever("elasticsearch", url=secret, index="wiki18", max_retries=0)
     assert "hunter2" not in str(excinfo.value) and "127.0.0.1" in str(excinfo.value)
+
+
+class _CountingRetriever(Retriever):
+    """The real BM25 retriever, counting how it is called (to see the worker batch its slots' searches)."""
+
+    backend = "bm25"
+
+    def __init__(self, inner: Bm25Retriever) -> None:
+        self.inner, self.searches, self.batches = inner, 0, []
+
+    def search(self, query: str, top_k: int) -> list[Passage]:
+        self.searches += 1
+        return self.inner.search(query, top_k)
+
+    def batch_search(self, queries, top_k: int) -> list[list[Passage]]:
+        self.batches.append(len(queries))
+        return self.inner.batch_search(queries, top_k)
+
+
+@pytest.mark.integration
+def test_worker_batches_the_searches_of_its_slots(search_qa_bm25: Bm25Retriever):
+    from megatron_gigpo.episodes.workers import EnvWorker
+
+    counting = _CountingRetriever(search_qa_bm25)
+    worker = EnvWorker(lambda: SearchQAEnv(counting, top_k=3, max_turns=4), worker_index=0)
+    queries = ["Charles Babbage", "Analytical Engine", "Alan Turing machine"]
+    tasks = [_task(f"Q{i}?", ["x"], task_id=f"q/{i}") for i in range(4)]
+    assert all(o.ok for o in worker.reset([(slot, task, 0) for slot, task in enumerate(tasks)]))
+    texts = [f"<think>t</think><search>{q}</search>" for q in queries] + ["<answer>x</answer>"]
+    outcomes = worker.step(list(enumerate(texts)))
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    assert counting.batches == [3] and counting.searches == 0  # one batched request for the three searches
+    for query, outcome in zip(queries, outcomes):
+        assert outcome.result.observation == format_information(search_qa_bm25.search(query, 3))
+    assert outcomes[3].result.done and outcomes[3].result.won
+    # A step without prepare_steps (the environment used directly) searches on its own, same result.
+    env = SearchQAEnv(counting, top_k=3, max_turns=4)
+    env.reset(tasks[0], seed=0)
+    assert env.step(f"<search>{queries[0]}</search>").observation == outcomes[0].result.observation
+    assert counting.searches == 1

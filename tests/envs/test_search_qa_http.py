@@ -270,7 +270,7 @@ def test_parse_hits_reads_every_documented_shape():
     pyserini = {"title": "Hamlet", "text": "Hamlet is a tragedy\nby Shakespeare.", "contents": contents}
     assert parse_hits([{"document": pyserini, "score": 3}], "t") == [Passage.from_contents("", contents, 3.0)]
     assert parse_hits([{"title": "Hamlet", "text": "A play."}], "t") == [Passage("", "Hamlet", "A play.")]
-    with pytest.raises(RuntimeError, match="where: document needs a str 'contents'"):
+    with pytest.raises(RuntimeError, match="where: passage needs a str 'contents'"):
         parse_hits([{"id": "1"}], "where")
     with pytest.raises(RuntimeError, match="expected a list of hits"):
         parse_hits({"id": "1"}, "where")

@@ -21,13 +21,13 @@ exact equality, since near-identical retrievals are the same state for grouping 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from megatron_gigpo.envs.base import Environment, ProjectedAction, ResetResult, StepResult, Task
 from megatron_gigpo.envs.search_qa.answers import exact_match
 from megatron_gigpo.envs.search_qa.datasets import ENV_NAME
-from megatron_gigpo.envs.search_qa.passages import format_information
+from megatron_gigpo.envs.search_qa.passages import Passage, format_information
 from megatron_gigpo.envs.search_qa.retriever import Retriever, check_top_k, shared_retriever
 
 ACTION_TYPES = ("search", "answer")
@@ -110,6 +110,7 @@ class SearchQAEnv(Environment):
         self._golden: list[str] | None = None
         self._turn = 0
         self._done = True
+        self._prefetched: tuple[str, list[Passage]] | None = None  # (query, hits) from prepare_steps
 
     def reset(self, task: Task, seed: int) -> ResetResult:
         """Start the episode of ``task``; the observation and anchor are the question (``seed`` is unused:
@@ -134,6 +135,24 @@ class SearchQAEnv(Environment):
         self._done = False
         return ResetResult(observation=question, anchor=question, task_description=question, info={"turn": 0})
 
+    @classmethod
+    def prepare_steps(cls, envs: Sequence[Environment], actions: Sequence[str]) -> None:
+        """Fetch the hits of every search among ``actions`` with one :meth:`Retriever.batch_search` per
+        retriever and ``top_k`` (one request to a retrieval server, one encoder batch for dense retrieval);
+        each environment's next :meth:`step` then uses its prefetched hits for the same query."""
+        batches: dict[tuple[int, int], list[tuple[SearchQAEnv, str]]] = {}
+        for env, action in zip(envs, actions):
+            if not isinstance(env, SearchQAEnv):
+                continue
+            env._prefetched = None
+            extracted = extract_action(action)
+            if not env._done and extracted is not None and extracted[0] == "search":
+                batches.setdefault((id(env.retriever), env.top_k), []).append((env, extracted[1]))
+        for (_, top_k), pending in batches.items():
+            hits = pending[0][0].retriever.batch_search([query for _, query in pending], top_k)
+            for (env, query), passages in zip(pending, hits):
+                env._prefetched = (query, passages)
+
     def step(self, action_text: str) -> StepResult:
         """Run one turn: search, answer, or (unparseable text) an invalid no-op.
 
@@ -156,7 +175,11 @@ class SearchQAEnv(Environment):
             observation = INVALID_ACTION_OBSERVATION
             info["action_type"] = "invalid"
         elif extracted[0] == "search":
-            passages = self.retriever.search(extracted[1], self.top_k)
+            prefetched, self._prefetched = self._prefetched, None
+            if prefetched is not None and prefetched[0] == extracted[1]:
+                passages = prefetched[1]
+            else:
+                passages = self.retriever.search(extracted[1], self.top_k)
             observation = format_information(passages)
             info.update(action_type="search", query=extracted[1], retrieved_ids=[p.id for p in passages])
         else:

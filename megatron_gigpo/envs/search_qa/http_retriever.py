@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from megatron_gigpo.envs.search_qa.passages import Passage
+from megatron_gigpo.envs.search_qa.passages import Passage, parse_passage_row
 from megatron_gigpo.envs.search_qa.retriever import Retriever, RetrieverUnavailableError, check_top_k, redact_url
 
 #: HTTP statuses worth retrying: the server is restarting, overloaded or behind a gateway that timed out.
@@ -152,16 +152,17 @@ def probe_retrieval_server(url: str, timeout: float = 3.0) -> str:
 
 
 def _parse_document(doc: Any, score: float, where: str) -> Passage:
-    """A :class:`Passage` from a corpus row: ``contents`` split at its first newline (as in
-    :meth:`Passage.from_contents`), else ``title`` + ``text``; a row without ``id`` gets ``""``."""
+    """A :class:`Passage` from one returned corpus row (:func:`parse_passage_row`; the id may be missing).
+
+    Raises:
+        RuntimeError: not a document object (the server's answer is wrong, not our input).
+    """
     if not isinstance(doc, dict):
         raise RuntimeError(f"{where}: expected a document object, got {json.dumps(doc)[:200]}")
-    passage_id = str(doc["id"]) if "id" in doc else ""
-    if isinstance(doc.get("contents"), str):
-        return Passage.from_contents(passage_id, doc["contents"], score=score)
-    if isinstance(doc.get("title"), str) and isinstance(doc.get("text"), str):
-        return Passage(id=passage_id, title=doc["title"], text=doc["text"], score=score)
-    raise RuntimeError(f"{where}: document needs a str 'contents', or 'title' and 'text' (keys: {sorted(doc)})")
+    try:
+        return parse_passage_row(doc, where, score=score, require_id=False)
+    except ValueError as exc:
+        raise RuntimeError(str(exc)) from None
 
 
 def parse_hits(hits: Any, where: str) -> list[Passage]:

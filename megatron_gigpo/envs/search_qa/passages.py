@@ -42,19 +42,26 @@ class Passage:
         return cls(id=passage_id, title=title, text=text, score=score)
 
 
-def parse_passage_row(row: dict, where: str) -> Passage:
-    """A :class:`Passage` from an ``{id, contents}`` or ``{id, title, text}`` object.
+def parse_passage_row(row: dict, where: str, *, score: float = 0.0, require_id: bool = True) -> Passage:
+    """A :class:`Passage` from an ``{id, contents}`` or ``{id, title, text}`` object (``contents`` wins and is
+    split at its first newline, as in :meth:`Passage.from_contents`).
 
+    Args:
+        row: the corpus record.
+        where: names the record in errors (file:line, or a server's answer).
+        score: the passage's relevance score (0.0 for corpus records).
+        require_id: without it, a row with no ``id`` gets ``""`` (retrieval servers may omit ids).
     Raises:
-        ValueError: ``id`` is missing, or neither ``contents`` nor ``title``/``text`` is a str (names ``where``).
+        ValueError: ``id`` is missing (when required), or neither ``contents`` nor ``title``/``text`` is a str
+            (names ``where``).
     """
-    if "id" not in row:
+    if require_id and "id" not in row:
         raise ValueError(f"{where}: passage has no 'id' (keys: {sorted(row)})")
-    passage_id = str(row["id"])
+    passage_id = str(row["id"]) if "id" in row else ""
     if isinstance(row.get("contents"), str):
-        return Passage.from_contents(passage_id, row["contents"])
+        return Passage.from_contents(passage_id, row["contents"], score=score)
     if isinstance(row.get("title"), str) and isinstance(row.get("text"), str):
-        return Passage(id=passage_id, title=row["title"], text=row["text"])
+        return Passage(id=passage_id, title=row["title"], text=row["text"], score=score)
     raise ValueError(f"{where}: passage needs a str 'contents', or str 'title' and 'text' (keys: {sorted(row)})")
 
 
