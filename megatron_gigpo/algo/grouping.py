@@ -179,8 +179,9 @@ def _candidate_pairs(
     order = torch.argsort(node_group, stable=True)
     sizes = torch.bincount(node_group)
     starts = torch.cumsum(sizes, 0) - sizes
-    # float32 sums of integer |differences| are exact below 2^24 characters per pair.
-    hist_f = hist.to(torch.float64 if int(lengths.max()) >= 2**23 else torch.float32)
+    # float32 holds integer counts and L1 sums exactly below 2^24; a pair's L1 is at most the sum of its two
+    # UTF-8 byte lengths (up to 4 per character, so the code-point length is no guide): test bytes.
+    hist_f = hist.to(torch.float64 if int(hist.sum(1).max()) >= 2**23 else torch.float32)
     firsts, seconds, lowers = [], [], []
     for k in torch.unique(sizes).tolist():
         if k < 2:

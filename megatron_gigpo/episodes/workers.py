@@ -84,6 +84,7 @@ class EnvWorker:
         self._index = worker_index
         self._envs: dict[int, Environment] = {}
         self._admissible: dict[int, list[str] | None] = {}
+        self._prepare_failed: set[type[Environment]] = set()
 
     def pid(self) -> int:
         return os.getpid()
@@ -126,7 +127,10 @@ class EnvWorker:
             except Exception:  # noqa: BLE001 - reported per slot, the episode ends as failed
                 self._drop(slot)
                 outcomes[i] = EnvOutcome(result=None, error=_describe(self._index, slot, "step"))
-        self._prepare_steps({i: (self._envs[requests[i][0]], p.action) for i, p in projected.items()})
+        # A slot listed twice may have been dropped by its second projection (its step then reports that).
+        self._prepare_steps(
+            {i: (self._envs[requests[i][0]], p.action) for i, p in projected.items() if requests[i][0] in self._envs}
+        )
         for i, p in projected.items():
             slot = requests[i][0]
             try:
@@ -138,8 +142,7 @@ class EnvWorker:
                 outcomes[i] = EnvOutcome(result=None, error=_describe(self._index, slot, "step"))
         return outcomes  # type: ignore[return-value] - every entry was set above
 
-    @staticmethod
-    def _prepare_steps(pending: dict[int, tuple[Environment, str]]) -> None:
+    def _prepare_steps(self, pending: dict[int, tuple[Environment, str]]) -> None:
         by_class: dict[type[Environment], list[tuple[Environment, str]]] = {}
         for env, action in pending.values():
             by_class.setdefault(type(env), []).append((env, action))
@@ -147,7 +150,11 @@ class EnvWorker:
             try:
                 cls.prepare_steps([env for env, _ in pairs], [action for _, action in pairs])
             except Exception:  # noqa: BLE001 - only a speed-up: each step redoes its work and reports errors
-                logger.debug("%s.prepare_steps raised; stepping without it", cls.__name__, exc_info=True)
+                # Warn once per class (a lasting failure costs the batching, not results); later ones at debug.
+                level = logging.DEBUG if cls in self._prepare_failed else logging.WARNING
+                self._prepare_failed.add(cls)
+                logger.log(level, "worker %d: %s.prepare_steps raised; its slots step one by one",
+                           self._index, cls.__name__, exc_info=True)
 
     def close(self) -> None:
         for slot in list(self._envs):

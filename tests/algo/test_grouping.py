@@ -128,6 +128,19 @@ def test_histogram_bounds_never_exceed_the_indel_distance(pairs):
     assert bool(((lengths[first] - lengths[second]).abs() <= truth).all())
 
 
+def test_byte_histogram_bound_stays_exact_past_float32_counts():
+    # 5.6M four-byte characters: fewer than 2^23 code points but a folded byte count of 3N = 2^24 + 5, which
+    # float32 rounds to 2^24 + 4. The unigram bound then read L1 = 5 instead of 4 (lower bound 2 > the
+    # allowed distance 1) and dropped this true link (indel 1: b is a with one character appended).
+    char = "\U00030c30"  # UTF-8 F0 B0 B0 B0: its three continuation bytes fold into one bin
+    n = (2**24 + 5) // 3
+    a, b = char * n, char * (n + 1)
+    thresh = 1.0 - 1.5 / (2 * n + 1)  # the link needs indel <= 1; similarity 1 - 1 / (2n + 1) >= thresh
+    assert Indel.distance(a, b, score_cutoff=2) == 1
+    group, _ = _groups(["u", "u"], [a, b], similarity=True, thresh=thresh)
+    assert group.tolist() == [0, 0]
+
+
 def _pages(rng: random.Random, num_uids: int, visits: int) -> tuple[list[str], list[str]]:
     vocab = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 8))) for _ in range(300)]
     uids, anchors = [], []

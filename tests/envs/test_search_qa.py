@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from megatron_gigpo.envs.base import Task
+from megatron_gigpo.envs.base import ProjectedAction, Task
 from megatron_gigpo.envs.search_qa import (
     Passage,
     RetrieverUnavailableError,
@@ -459,3 +459,49 @@ def test_worker_batches_the_searches_of_its_slots(search_qa_bm25: Bm25Retriever)
     env.reset(tasks[0], seed=0)
     assert env.step(f"<search>{queries[0]}</search>").observation == outcomes[0].result.observation
     assert counting.searches == 1
+
+
+class _RaisingProjection(SearchQAEnv):
+    """Search QA whose projection raises on responses holding ``PROJFAIL`` (a broken environment)."""
+
+    def project_action(self, response_text: str, admissible_actions: list[str] | None) -> ProjectedAction:
+        if "PROJFAIL" in response_text:
+            raise ValueError("injected projection fault")
+        return super().project_action(response_text, admissible_actions)
+
+
+@pytest.mark.integration
+def test_worker_reports_a_slot_dropped_by_its_second_request(search_qa_bm25: Bm25Retriever):
+    # A slot listed twice whose second projection raises is dropped before the steps: each request gets an
+    # error outcome instead of the whole call raising KeyError, and the other slot still steps.
+    from megatron_gigpo.episodes.workers import EnvWorker
+
+    worker = EnvWorker(lambda: _RaisingProjection(search_qa_bm25, top_k=3, max_turns=4), worker_index=0)
+    tasks = [_task(f"Q{i}?", ["x"], task_id=f"q/{i}") for i in range(2)]
+    assert all(o.ok for o in worker.reset([(slot, task, 0) for slot, task in enumerate(tasks)]))
+    outcomes = worker.step([(0, "<search>Charles Babbage</search>"), (0, "PROJFAIL"), (1, "<answer>x</answer>")])
+    assert [o.ok for o in outcomes] == [False, False, True]
+    assert "KeyError" in outcomes[0].error and "injected projection fault" in outcomes[1].error
+    assert outcomes[2].result.won
+
+
+class _NoBatchRetriever(_CountingRetriever):
+    """The real BM25 retriever whose batched call fails (a server without batch support, say)."""
+
+    def batch_search(self, queries, top_k: int) -> list[list[Passage]]:
+        raise ConnectionError("batch endpoint down")
+
+
+@pytest.mark.integration
+def test_failed_batch_falls_back_to_one_search_per_slot(search_qa_bm25: Bm25Retriever, caplog):
+    from megatron_gigpo.episodes.workers import EnvWorker
+
+    retriever = _NoBatchRetriever(search_qa_bm25)
+    worker = EnvWorker(lambda: SearchQAEnv(retriever, top_k=3, max_turns=4), worker_index=0)
+    tasks = [_task(f"Q{i}?", ["x"], task_id=f"q/{i}") for i in range(2)]
+    worker.reset([(slot, task, 0) for slot, task in enumerate(tasks)])
+    with caplog.at_level("WARNING", logger="megatron_gigpo.episodes.workers"):
+        outcomes = worker.step([(0, "<search>Charles Babbage</search>"), (1, "<search>Alan Turing</search>")])
+    assert all(o.ok for o in outcomes) and retriever.searches == 2
+    assert outcomes[1].result.observation == format_information(search_qa_bm25.search("Alan Turing", 3))
+    assert "prepare_steps raised" in caplog.text  # warned once, so a lasting failure is visible

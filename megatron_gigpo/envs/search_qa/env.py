@@ -133,6 +133,7 @@ class SearchQAEnv(Environment):
         self._golden = list(golden)
         self._turn = 0
         self._done = False
+        self._prefetched = None
         return ResetResult(observation=question, anchor=question, task_description=question, info={"turn": 0})
 
     @classmethod
