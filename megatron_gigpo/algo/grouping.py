@@ -96,8 +96,18 @@ def renumber_by_first_appearance(ids: torch.Tensor) -> torch.Tensor:
     """Relabel arbitrary int64 group labels (R,) as 0, 1, ... in order of first appearance."""
     if ids.numel() == 0:
         return ids.clone()
+    labels = ids.numpy()
+    n = labels.size
+    low, high = int(labels.min()), int(labels.max())
+    if high - low < 8 * n:  # labels dense enough for an O(R) pass without sorting
+        dense = labels - low
+        first = np.full(high - low + 1, n, dtype=np.int64)
+        first[dense[::-1]] = np.arange(n - 1, -1, -1)  # the last write wins: each label's first row
+        is_first = first[dense] == np.arange(n)  # (R,) rows that open a group, in row order
+        rank = np.cumsum(is_first) - 1  # (R,) group number at each opening row
+        return torch.from_numpy(rank[first[dense]])
     # numpy's sort-based unique: steadier than torch.unique's threaded sort on small CPU tensors.
-    _, first_row, inverse = np.unique(ids.numpy(), return_index=True, return_inverse=True)
+    _, first_row, inverse = np.unique(labels, return_index=True, return_inverse=True)
     rank = np.empty_like(first_row)
     rank[np.argsort(first_row, kind="stable")] = np.arange(first_row.size)
     return torch.from_numpy(rank[inverse.reshape(-1)]).to(torch.int64)

@@ -19,6 +19,7 @@ from megatron_gigpo.algo.grouping import (
     anchor_state_groups,
     connected_components,
     factorize,
+    renumber_by_first_appearance,
 )
 from megatron_gigpo.algo.oracle import lcs_similarity, oracle_groups
 
@@ -177,3 +178,14 @@ def test_single_linkage_chains():
 def test_connected_components():
     src, dst = torch.tensor([0, 3, 4, 6]), torch.tensor([1, 4, 5, 5])
     assert connected_components(8, src, dst).tolist() == [0, 0, 2, 3, 3, 3, 3, 7]
+
+
+@SETTINGS
+@given(labels=st.lists(st.integers(-5, 40), max_size=30), spread=st.sampled_from([1, 10**12]))
+def test_renumber_by_first_appearance(labels, spread):
+    # spread 1: dense labels (counting pass); 10**12: sparse labels (sort-based pass). Same numbering.
+    ids = torch.tensor([x * spread for x in labels], dtype=torch.int64)
+    seen: dict[int, int] = {}
+    expected = [seen.setdefault(x, len(seen)) for x in labels]
+    out = renumber_by_first_appearance(ids)
+    assert out.dtype == torch.int64 and out.tolist() == expected
