@@ -129,7 +129,7 @@ class EnvWorker:
                 outcomes[i] = EnvOutcome(result=None, error=_describe(self._index, slot, "step"))
         # A slot listed twice may have been dropped by its second projection (its step then reports that).
         self._prepare_steps(
-            {i: (self._envs[requests[i][0]], p.action) for i, p in projected.items() if requests[i][0] in self._envs}
+            [(self._envs[requests[i][0]], p.action) for i, p in projected.items() if requests[i][0] in self._envs]
         )
         for i, p in projected.items():
             slot = requests[i][0]
@@ -142,9 +142,9 @@ class EnvWorker:
                 outcomes[i] = EnvOutcome(result=None, error=_describe(self._index, slot, "step"))
         return outcomes  # type: ignore[return-value] - every entry was set above
 
-    def _prepare_steps(self, pending: dict[int, tuple[Environment, str]]) -> None:
+    def _prepare_steps(self, pending: list[tuple[Environment, str]]) -> None:
         by_class: dict[type[Environment], list[tuple[Environment, str]]] = {}
-        for env, action in pending.values():
+        for env, action in pending:
             by_class.setdefault(type(env), []).append((env, action))
         for cls, pairs in by_class.items():
             try:
