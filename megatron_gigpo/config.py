@@ -89,6 +89,8 @@ class SearchConfig:
     url: str = "http://127.0.0.1:9200"  # Elasticsearch node, or the http server's endpoint (.../retrieve)
     index_name: str = "wiki"
     top_k: int = 3
+    # search_r1: `Doc i(Title: t) text` lines | verl_agent: {"result": "Doc i: contents"} JSON (the paper's code)
+    information_format: str = "search_r1"
     train_file: str | None = None
     val_file: str | None = None
 
@@ -435,6 +437,7 @@ CHOICES = {
     "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "env.name": ("sokoban", "alfworld", "search_qa", "webshop"),
     "env.search.retriever": ("bm25", "elasticsearch", "dense", "http"),
+    "env.search.information_format": ("search_r1", "verl_agent"),  # = search_qa.passages.INFORMATION_FORMATS
     "rollout.weight_sync_mode": ("colocated", "disaggregated"),
     "rollout.prompt_overflow": PROMPT_OVERFLOW_POLICIES,
     "optim.lr_decay_style": ("constant", "linear", "cosine"),

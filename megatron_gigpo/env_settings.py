@@ -44,7 +44,8 @@ def env_kwargs(e: EnvConfig) -> dict[str, Any]:
         return {"data_dir": _path(e.data_dir, "env.data_dir"), "num_products": e.webshop.num_products,
                 "human_goals": e.webshop.human_goals, "max_steps": e.max_steps}
     if e.name == "search_qa":
-        return {"retriever": _retriever_settings(e), "top_k": e.search.top_k, "max_turns": e.max_steps}
+        return {"retriever": _retriever_settings(e), "top_k": e.search.top_k, "max_turns": e.max_steps,
+                "information_format": e.search.information_format}
     raise ValueError(f"env.name={e.name!r} has no settings mapping")
 
 

@@ -230,3 +230,21 @@ def test_duplicate_keys_and_bad_values_are_errors(tmp_path):
 def test_saved_config_is_world_readable(tmp_path):
     save_config(load_config(RECIPES / "smoke/cpu.yaml"), tmp_path / "config.yaml")
     assert (tmp_path / "config.yaml").stat().st_mode & 0o777 == 0o644
+
+
+def test_search_information_format_reaches_the_environment(tmp_path, shared_dir):
+    from megatron_gigpo.config import CHOICES
+    from megatron_gigpo.env_settings import env_kwargs
+    from megatron_gigpo.envs.search_qa.passages import INFORMATION_FORMATS
+
+    assert CHOICES["env.search.information_format"] == INFORMATION_FORMATS
+    # The search recipes follow verl-agent (the paper's code); the environment's own default is Search-R1's.
+    assert load_config(RECIPES / "search_qa/qwen2.5-3b-instruct.yaml").env.search.information_format == "verl_agent"
+    wiki = shared_dir / "data" / "search_qa" / "wiki18_sample_1000.jsonl"
+    search = {"retriever": "bm25", "passages_path": str(wiki)}
+    path = _write(tmp_path, "r.yaml", _minimal(env={"name": "search_qa", "search": search}))
+    assert env_kwargs(load_config(path).env)["information_format"] == "search_r1"
+    cfg = load_config(path, ["env.search.information_format=verl_agent"])
+    assert env_kwargs(cfg.env)["information_format"] == "verl_agent"
+    with pytest.raises(ConfigError, match="information_format"):
+        load_config(path, ["env.search.information_format=xml"])

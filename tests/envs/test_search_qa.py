@@ -318,6 +318,14 @@ def test_information_format_and_retriever_arguments():
     expected = '<information>Doc 1(Title: "T1") text one\nDoc 2(Title: "T2") text two</information>'
     assert format_information(passages) == expected
     assert format_information([]) == "<information>No passages found.</information>"
+    # verl-agent's layout (the GiGPO paper's code): a JSON object whose result lists the stripped contents.
+    verl = format_information(passages, "verl_agent")
+    assert verl == '<information>{"result": "Doc 1: \\"T1\\"\\ntext one\\nDoc 2: \\"T2\\"\\ntext two\\n"}</information>'
+    assert json.loads(verl[len("<information>"):-len("</information>")]) == {
+        "result": 'Doc 1: "T1"\ntext one\nDoc 2: "T2"\ntext two\n'}
+    assert format_information([], "verl_agent") == '<information>{"result": "No search results found."}</information>'
+    with pytest.raises(ValueError, match="unknown information_format 'xml'"):
+        format_information(passages, "xml")
     with pytest.raises(ValueError, match="unknown retriever backend 'solr'"):
         build_retriever("solr")
     with pytest.raises(ValueError, match="corpus_path"):
@@ -348,6 +356,8 @@ def test_registry_builds_env_from_recipe_settings(search_qa_data: Path, search_q
     assert first.reset(tasks[3], seed=0).observation == tasks[3].payload["question"]
     with pytest.raises(ValueError, match="'backend'"):
         registry.make_env("search_qa", retriever={"corpus_path": str(search_qa_wiki18)})
+    with pytest.raises(ValueError, match="unknown information_format 'json'"):
+        registry.make_env("search_qa", retriever=settings, information_format="json")
 
 
 # ---------------------------------------------------------------- gold passages on wiki-18 (real backends)

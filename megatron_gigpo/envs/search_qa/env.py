@@ -1,7 +1,8 @@
 """The search-augmented QA environment (Search-R1, arXiv 2503.09516; GiGPO, arXiv 2505.10978, Sec. 5.2).
 
 An episode is one question. Each turn the agent either searches, ``<search>query</search>``, and reads the
-top-k passages in an ``<information>...</information>`` observation, or answers, ``<answer>text</answer>``,
+top-k passages in an ``<information>...</information>`` observation (Search-R1's layout, or verl-agent's JSON
+one: ``information_format``), or answers, ``<answer>text</answer>``,
 which ends the episode with reward 1.0 on a normalised exact match with any gold answer (else 0.0).
 After ``max_turns`` turns (default 4) the episode ends with reward 0.0 if no answer was given.
 
@@ -27,7 +28,7 @@ from typing import Any
 from megatron_gigpo.envs.base import Environment, ProjectedAction, ResetResult, StepResult, Task
 from megatron_gigpo.envs.search_qa.answers import exact_match
 from megatron_gigpo.envs.search_qa.datasets import ENV_NAME
-from megatron_gigpo.envs.search_qa.passages import Passage, format_information
+from megatron_gigpo.envs.search_qa.passages import INFORMATION_FORMATS, Passage, format_information
 from megatron_gigpo.envs.search_qa.retriever import Retriever, check_top_k, shared_retriever
 
 ACTION_TYPES = ("search", "answer")
@@ -87,18 +88,32 @@ class SearchQAEnv(Environment):
             :func:`~.retriever.shared_retriever`.
         top_k: passages per search (Search-R1 and GiGPO use 3).
         max_turns: turns before the episode is cut off (GiGPO's search setting: 4).
+        information_format: layout of the search observation, ``search_r1`` or ``verl_agent`` (see
+            :func:`~.passages.format_information`).
 
     Raises:
-        ValueError: ``top_k`` or ``max_turns`` < 1, or a retriever mapping without ``backend``.
+        ValueError: ``top_k`` or ``max_turns`` < 1, an unknown ``information_format``, or a retriever mapping
+            without ``backend``.
         RetrieverUnavailableError: the retriever's server cannot be reached (names the URL).
     """
 
     name = ENV_NAME
 
-    def __init__(self, retriever: Retriever | Mapping[str, Any], *, top_k: int = 3, max_turns: int = 4):
+    def __init__(
+        self,
+        retriever: Retriever | Mapping[str, Any],
+        *,
+        top_k: int = 3,
+        max_turns: int = 4,
+        information_format: str = "search_r1",
+    ):
         check_top_k(top_k)
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if information_format not in INFORMATION_FORMATS:
+            raise ValueError(
+                f"unknown information_format {information_format!r}; expected one of {INFORMATION_FORMATS}"
+            )
         if isinstance(retriever, Mapping):
             if "backend" not in retriever:
                 raise ValueError(f"retriever settings need a 'backend' key, got keys {sorted(retriever)}")
@@ -107,6 +122,7 @@ class SearchQAEnv(Environment):
         self.retriever = retriever
         self.top_k = top_k
         self.max_turns = max_turns
+        self.information_format = information_format
         self._golden: list[str] | None = None
         self._turn = 0
         self._done = True
@@ -181,7 +197,7 @@ class SearchQAEnv(Environment):
                 passages = prefetched[1]
             else:
                 passages = self.retriever.search(extracted[1], self.top_k)
-            observation = format_information(passages)
+            observation = format_information(passages, self.information_format)
             info.update(action_type="search", query=extracted[1], retrieved_ids=[p.id for p in passages])
         else:
             won = exact_match(extracted[1], self._golden)

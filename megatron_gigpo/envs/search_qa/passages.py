@@ -89,14 +89,30 @@ def read_passages(path: str | Path) -> Iterator[Passage]:
             yield parse_passage_row(row, where)
 
 
-def format_information(passages: Sequence[Passage]) -> str:
-    """The observation after a search, in Search-R1's layout (arXiv 2503.09516, Sec. 3.1).
+#: Layouts of the observation after a search (``env.search.information_format``).
+INFORMATION_FORMATS = ("search_r1", "verl_agent")
 
-    ``<information>Doc 1(Title: <title>) <text>\\nDoc 2(Title: ...) ...</information>``, passages in rank
-    order; an empty result says so inside the tags. The string is also the step's anchor, so it holds
-    nothing but the retrieved text.
+
+def format_information(passages: Sequence[Passage], information_format: str = "search_r1") -> str:
+    """The observation after a search; the string is also the step's anchor, so it holds nothing but the
+    retrieved text. Passages in rank order.
+
+    - ``search_r1`` (Search-R1, arXiv 2503.09516, Sec. 3.1; its ``_passages2string``):
+      ``<information>Doc 1(Title: <title>) <text>\nDoc 2(Title: ...) ...</information>``; an empty result
+      says so inside the tags.
+    - ``verl_agent`` (verl-agent, the GiGPO paper's code: ``skyrl_gym`` search tool and env): a JSON object
+      ``{"result": "Doc 1: <contents>\nDoc 2: ...\n"}`` inside ``<information>`` tags, where ``<contents>`` is
+      the wiki-18 record (title line, newline, text) stripped; an empty result is ``"No search results found."``.
+
+    Raises:
+        ValueError: unknown ``information_format``.
     """
-    if not passages:
-        return "<information>No passages found.</information>"
-    docs = "\n".join(f"Doc {rank}(Title: {p.title}) {p.text}" for rank, p in enumerate(passages, start=1))
-    return f"<information>{docs}</information>"
+    if information_format == "search_r1":
+        if not passages:
+            return "<information>No passages found.</information>"
+        docs = "\n".join(f"Doc {rank}(Title: {p.title}) {p.text}" for rank, p in enumerate(passages, start=1))
+        return f"<information>{docs}</information>"
+    if information_format == "verl_agent":
+        result = "".join(f"Doc {rank}: {p.contents.strip()}\n" for rank, p in enumerate(passages, start=1))
+        return f"<information>{json.dumps({'result': result or 'No search results found.'})}</information>"
+    raise ValueError(f"unknown information_format {information_format!r}; expected one of {INFORMATION_FORMATS}")
