@@ -310,6 +310,7 @@ def test_recipe_episode_over_http(
     assert check_env_resources(env_cfg) == []
     kwargs = env_kwargs(env_cfg)
     assert kwargs["retriever"] == {"backend": "http", "url": search_http_url}
+    assert kwargs["information_format"] == "verl_agent"  # the search recipes show hits as verl-agent does
     env = registry.make_env("search_qa", **kwargs)
     for pid in GOLD_PASSAGE_IDS[:3]:
         passage = search_qa_passages[pid]
@@ -318,6 +319,7 @@ def test_recipe_episode_over_http(
         env.reset(Task(env="search_qa", task_id=f"wiki/{pid}", split="val", payload=payload), seed=0)
         step = env.step(f"<search>{_title_query(passage)}</search>")
         assert pid in step.info["retrieved_ids"] and not step.done
-        assert f"(Title: {passage.title}) {passage.text}" in step.observation
+        hits = json.loads(step.observation.removeprefix("<information>").removesuffix("</information>"))
+        assert f"{passage.title}\n{passage.text}".strip() in hits["result"]
         final = env.step(f"<answer>{answer}</answer>")
         assert (final.reward, final.done, final.won) == (1.0, True, True)
