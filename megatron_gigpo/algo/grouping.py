@@ -103,9 +103,9 @@ def renumber_by_first_appearance(ids: torch.Tensor) -> torch.Tensor:
         dense = labels - low
         first = np.full(high - low + 1, n, dtype=np.int64)
         first[dense[::-1]] = np.arange(n - 1, -1, -1)  # the last write wins: each label's first row
-        is_first = first[dense] == np.arange(n)  # (R,) rows that open a group, in row order
-        rank = np.cumsum(is_first) - 1  # (R,) group number at each opening row
-        return torch.from_numpy(rank[first[dense]])
+        opener = first[dense]  # (R,) the first row of each row's label
+        rank = np.cumsum(opener == np.arange(n)) - 1  # (R,) group number, counted at each opening row
+        return torch.from_numpy(rank[opener])
     # numpy's sort-based unique: steadier than torch.unique's threaded sort on small CPU tensors.
     _, first_row, inverse = np.unique(labels, return_index=True, return_inverse=True)
     rank = np.empty_like(first_row)
@@ -217,7 +217,7 @@ def _candidate_pairs(
 BIGRAM_BINS = 512
 
 
-def _bigram_profiles(strings: list[str]) -> torch.Tensor:
+def _bigram_profiles(strings: list[str]) -> np.ndarray:
     """int32 (n, BIGRAM_BINS): each string's UTF-8 byte-bigram histogram, bigram ``(x, y)`` in bin
     ``(131 x + y) mod 512`` (any fixed folding keeps the lower bound of :func:`_bigram_lower_bound` valid)."""
     hist = np.zeros((len(strings), BIGRAM_BINS), dtype=np.int32)
@@ -228,7 +228,7 @@ def _bigram_profiles(strings: list[str]) -> torch.Tensor:
             key += b[1:]
             key &= BIGRAM_BINS - 1
             hist[i] = np.bincount(key, minlength=BIGRAM_BINS)
-    return torch.from_numpy(hist)
+    return hist
 
 
 def _bigram_lower_bound(
@@ -241,7 +241,7 @@ def _bigram_lower_bound(
     else 6 (``divisor`` 4, i.e. u_max = 4). Pairs are processed ``chunk`` at a time to bound the memory.
     """
     nodes, inverse = torch.unique(torch.cat([first, second]), return_inverse=True)
-    hist = _bigram_profiles([strings[i] for i in nodes.tolist()]).numpy()  # (m, BIGRAM_BINS)
+    hist = _bigram_profiles([strings[i] for i in nodes.tolist()])  # (m, BIGRAM_BINS)
     if hist.max(initial=0) < 2**15:
         hist = hist.astype(np.int16)  # differences of counts < 2^15 fit int16: half the memory traffic
     a, b = inverse[: first.numel()].numpy(), inverse[first.numel():].numpy()
