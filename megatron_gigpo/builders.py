@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from megatron_gigpo.config import Config, save_config
+from megatron_gigpo.logs import ray_runtime_env
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +79,16 @@ def init_ray(cfg: Config) -> dict[str, float]:
     for key, value in (RAY_ENV | LOCAL_RAY_ENV if local else RAY_ENV).items():
         os.environ.setdefault(key, value)
     if not ray.is_initialized():
-        env_vars = {k: os.environ[k] for k in RAY_ENV}
+        # Worker output: INFO to runs/<experiment>/logs/, warnings and errors to the terminal (megatron_gigpo.logs).
+        runtime_env = ray_runtime_env(cfg.run_dir / "logs")
+        runtime_env["env_vars"] |= {k: os.environ[k] for k in RAY_ENV}
         if "RAY_ADDRESS" in os.environ:
-            ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env_vars})
+            ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env)
         else:
             # Logical CPUs: one per actor rank, engine and environment worker; CPU work is shared anyway.
             slots = cfg.trainer.devices_per_node + cfg.rollout.num_engines + cfg.env.num_workers + 2
             ray.init(num_cpus=max(os.cpu_count() or 1, slots), include_dashboard=False,
-                     runtime_env={"env_vars": env_vars}, logging_level=logging.WARNING)
+                     runtime_env=runtime_env, logging_level=logging.WARNING)
     return ray.cluster_resources()
 
 
@@ -179,14 +182,14 @@ class RunContext:
         from megatron_gigpo.algo.advantages import AdvantageParams
         from megatron_gigpo.env_settings import load_task_list, validation_subset
         from megatron_gigpo.metrics import MetricsLogger
-        from megatron_gigpo.models.builtin import resolve_model_path
+        from megatron_gigpo.models.random_init import resolve_model
         from megatron_gigpo.preflight import preflight
 
         cfg = self.cfg
         resources = init_ray(cfg)
         preflight(cfg, resources if "RAY_ADDRESS" in os.environ else None)
         self._stack.callback(_shutdown_ray)
-        model_dir = resolve_model_path(cfg.model.path)
+        model_dir = resolve_model(cfg.model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.adv_params = AdvantageParams.from_algorithm_config(cfg.algorithm)
         self.train_task_list = load_task_list(cfg.env, "train")
@@ -310,11 +313,10 @@ class RunContext:
         return int(sum(p.numel() + r.numel() for p, r in zip(batch.prompt_ids, batch.response_ids)))
 
     def log(self, metrics: dict[str, Any], iteration: int) -> None:
+        from megatron_gigpo.metrics import console_line
+
         self.logger.log(metrics, iteration)
-        env = self.cfg.env.name
-        keys = [k for k in (f"episode/{env}/success_rate", f"val/episode/{env}/success_rate", "actor/pg_loss",
-                            "timing/iteration_s") if k in metrics]
-        line = f"iteration {iteration}: " + ", ".join(f"{k}={metrics[k]:.4g}" for k in keys)
+        line = console_line(metrics, iteration, self.cfg.trainer.total_iterations, self.cfg.env.name)
         if self.progress is None:
             print(line, flush=True)
         else:

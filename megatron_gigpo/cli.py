@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_gigpo.preflight import PreflightError
 
     argv = sys.argv[1:] if argv is None else argv
+    # Megatron-core's import-time notice on machines without its GPU fusions (the CPU path never uses them).
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed", category=UserWarning)
     if argv[:1] == ["serve-retriever"]:
         from megatron_gigpo.envs.search_qa.server import main as serve_retriever
 

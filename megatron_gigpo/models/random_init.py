@@ -1,0 +1,95 @@
+"""Randomly initialised policies (``model.init: random``): a CPU demonstrator that learns within minutes.
+
+A small model is written as a plain Hugging Face directory, so it goes through exactly the same Megatron
+actor, vLLM engine, weight sync and converters as any pretrained model. Its ``config.json`` is the base
+model's (``model.path``: architecture class, vocabulary, RoPE, norms, tied embeddings) with the shape fields
+of :class:`~megatron_gigpo.config.ArchitectureConfig` replaced; its tokenizer files (and chat template) are
+the base model's; its weights are drawn by ``transformers`` (``AutoModelForCausalLM.from_config``: normal with
+``initializer_range`` std, norms at 1) under ``torch.manual_seed(seed)``.
+
+The directory lives under ``$MEGATRON_GIGPO_CACHE/models/random-<digest>``, the digest covering the resolved
+config and the seed, so a recipe always gets the same weights and two shapes never share a folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+from megatron_gigpo.models.builtin import cache_root, resolve_model_path, write_hf_dir_atomic
+
+__all__ = ["random_model_dir", "resolve_model"]
+
+# Files of the base directory that describe weights or shape, not the tokenizer: never copied.
+_NOT_TOKENIZER = ("config.json", "generation_config.json")
+
+
+def _random_config(base_dir: Path, architecture) -> dict:
+    hf = json.loads((base_dir / "config.json").read_text())
+    hf.update(dataclasses.asdict(architecture))
+    hf.pop("head_dim", None)  # derived from hidden_size / num_attention_heads
+    hf.pop("quantization_config", None)
+    hf["torch_dtype"] = "float32"
+    return hf
+
+
+def random_model_dir(base: str, architecture, seed: int) -> Path:
+    """The Hugging Face directory of a random model shaped by ``architecture`` over ``base``; built on first call.
+
+    Args:
+        base: ``model.path`` of the recipe (a Hugging Face directory or ``builtin:<name>``): architecture class,
+            vocabulary and tokenizer.
+        architecture: a :class:`~megatron_gigpo.config.ArchitectureConfig`.
+        seed: seed of ``torch.manual_seed`` before the weights are drawn.
+
+    Returns:
+        the directory (config.json, model.safetensors in float32, generation_config.json, tokenizer files).
+
+    Raises:
+        FileNotFoundError / ValueError: ``base`` does not resolve (see ``resolve_model_path``).
+    """
+    base_dir = resolve_model_path(base)
+    hf = _random_config(base_dir, architecture)
+    digest = hashlib.sha256(json.dumps([hf, int(seed)], sort_keys=True).encode()).hexdigest()[:16]
+    out = cache_root() / "models" / f"random-{digest}"
+    if (out / "config.json").is_file():
+        return out
+
+    def write(tmp: Path) -> None:
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.for_model(**hf)
+        with torch.random.fork_rng():
+            torch.manual_seed(int(seed))
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        if hf.get("tie_word_embeddings"):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for item in base_dir.iterdir():
+            if item.is_file() and item.name not in _NOT_TOKENIZER and not item.name.endswith(".safetensors") \
+                    and not item.name.endswith(".bin") and item.name != "model.safetensors.index.json":
+                shutil.copy2(item, tmp / item.name)
+        if (base_dir / "generation_config.json").is_file():
+            shutil.copy2(base_dir / "generation_config.json", tmp / "generation_config.json")
+        hf_out = dict(hf, _name_or_path=f"random:{base}:seed{seed}")
+        (tmp / "config.json").write_text(json.dumps(hf_out, indent=2))
+
+    write_hf_dir_atomic(out, write)
+    return out
+
+
+def resolve_model(model_cfg) -> Path:
+    """The local Hugging Face directory of a recipe's ``model`` section (pretrained or random).
+
+    Raises:
+        FileNotFoundError / ValueError: the path does not resolve (see ``resolve_model_path``).
+    """
+    if model_cfg.init == "random":
+        return random_model_dir(model_cfg.path, model_cfg.architecture, model_cfg.seed)
+    return resolve_model_path(model_cfg.path)
