@@ -308,6 +308,35 @@ class RunContext:
         d = torch.cat(diffs)
         return {"rollout/actor_logprob_diff_max": float(d.max()), "rollout/actor_logprob_diff_mean": float(d.mean())}
 
+    def update_effect(self, batch, row_advantages, old_log_probs) -> dict[str, float]:
+        """How the update moved the batch's own log-probs, by the sign of each row's advantage.
+
+        Recomputes the policy's log-probs of the batch (one forward pass) and compares them with the
+        log-probs it had before the update (``old_log_probs``), per row as the mean over response tokens.
+
+        Returns:
+            ``actor/update_effect_pos`` and ``actor/update_effect_neg``: mean log-prob change (nats per token)
+            of rows with positive / negative advantage (absent when there is no such row), and
+            ``actor/update_effect_corr``: Pearson correlation of row advantage and row change (0 when either
+            is constant). A correct policy-gradient update gives pos > 0 > neg and a positive correlation.
+        """
+        import torch
+
+        new_log_probs = self.actors.compute_log_probs(batch)
+        rows = [i for i, lp in enumerate(old_log_probs) if lp.numel()]
+        delta = torch.tensor([float((new_log_probs[i] - old_log_probs[i]).double().mean()) for i in rows],
+                             dtype=torch.float64)
+        adv = row_advantages.double().cpu()[rows]
+        out: dict[str, float] = {}
+        for name, sel in (("pos", adv > 0), ("neg", adv < 0)):
+            if bool(sel.any()):
+                out[f"actor/update_effect_{name}"] = float(delta[sel].mean())
+        corr = 0.0
+        if len(rows) > 1 and float(adv.std()) > 0 and float(delta.std()) > 0:
+            corr = float(torch.corrcoef(torch.stack([adv, delta]))[0, 1])
+        out["actor/update_effect_corr"] = corr
+        return out
+
     @staticmethod
     def num_tokens(batch) -> int:
         return int(sum(p.numel() + r.numel() for p, r in zip(batch.prompt_ids, batch.response_ids)))

@@ -203,6 +203,9 @@ class TrainerConfig:
     seed: int = 1
     val_every: int = 5
     val_before_train: bool = True
+    # Recompute the batch's log-probs after each update and report how they moved for rows of positive and of
+    # negative advantage (actor/update_effect_*): one extra forward pass per iteration; for learning checks.
+    update_effect_metrics: bool = False
     output_dir: str = "runs"
     project_name: str = "megatron-gigpo"
     experiment_name: str = "default"

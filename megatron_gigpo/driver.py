@@ -47,6 +47,9 @@ def train(cfg: Config) -> dict[str, float]:
                 adv = compute_advantages(cfg.algorithm.adv_estimator, from_training_batch(batch), run.adv_params)
             with timer("update"):
                 metrics |= run.actors.update(batch, adv.advantage, old_log_probs, ref_log_probs)
+            if cfg.trainer.update_effect_metrics:
+                with timer("update_effect"):
+                    metrics |= run.update_effect(batch, adv.advantage, old_log_probs)
             with timer("resharding"):
                 metrics |= run.sync_weights(version=it + 1)
             run.engines.wake_up()
