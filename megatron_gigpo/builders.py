@@ -414,7 +414,14 @@ def _build_collector(cfg: Config, tokenizer, engines):
                               stop=list(r.stop), seed=cfg.trainer.seed)
     return EpisodeCollector(
         e.name, env_kwargs(e), tokenizer, engines, group_size=r.n, num_groups=e.num_groups,
-        max_steps=e.max_steps, history_length=e.history_length, max_prompt_length=r.prompt_length,
-        sampling=sampling, num_workers=e.num_workers, seed=e.seed, num_cpus_per_worker=0.01,
-        prompt_overflow=r.prompt_overflow,
+        max_steps=e.max_steps, sampling=sampling, num_workers=e.num_workers, seed=e.seed, num_cpus_per_worker=0.01,
+        prompt_overflow=r.prompt_overflow, **step_prompt_settings(cfg),
     )
+
+
+def step_prompt_settings(cfg: Config) -> dict[str, Any]:
+    """The recipe's per-step prompt settings: keyword arguments of
+    :func:`~megatron_gigpo.episodes.prompts.step_prompt_renderer` (and of the collector). One mapping for the
+    RL collector and the demonstration writer, so both render identical prompts."""
+    return {"history_length": cfg.env.history_length, "max_prompt_length": cfg.rollout.prompt_length,
+            "prompt_style": cfg.env.prompt_template}

@@ -1,4 +1,4 @@
-"""The ``megatron-gigpo`` command line: train, eval, validate, convert, plot, serve-retriever."""
+"""The ``megatron-gigpo`` command line: train, eval, validate, demos, convert, plot, serve-retriever."""
 
 from __future__ import annotations
 
@@ -62,6 +62,21 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demos(args: argparse.Namespace) -> int:
+    from megatron_gigpo.config import load_config
+    from megatron_gigpo.demos import write_demos
+
+    cfg = load_config(args.recipe, args.overrides)
+    stats = write_demos(cfg, args.out, args.num_episodes, args.epsilon, args.seed, reasoning=args.reasoning)
+    print(
+        f"megatron-gigpo: wrote {stats.rows} rows of {stats.episodes} {cfg.env.name} episodes to {args.out} "
+        f"(success rate {stats.success_rate:.3f}, mean steps {stats.mean_steps:.2f}, random share "
+        f"{stats.random_share:.3f}, skipped {stats.skipped}, {stats.episodes_per_s:.1f} episodes/s)"
+    )
+    print(f"megatron-gigpo: episode ends: {stats.end_reasons}")
+    return 0
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     from megatron_gigpo.plots import plot_run
 
@@ -96,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     va = recipe_cmd("validate", "check a recipe without starting anything")
     va.add_argument("--preflight", action="store_true", help="also check data directories, devices and services")
     va.set_defaults(func=_cmd_validate)
+    de = recipe_cmd("demos", "write expert demonstrations (chat JSONL) for a supervised cold start")
+    de.add_argument("--out", required=True, help="JSONL file to write (atomically)")
+    de.add_argument("--num-episodes", type=int, default=1000, help="training tasks to play (default 1000)")
+    de.add_argument("--epsilon", type=float, default=0.0,
+                    help="share of steps taking a uniformly random admissible action instead (default 0)")
+    de.add_argument("--reasoning", choices=["plan", "none"], default="plan",
+                    help="think-block text: the expert's short plan, or empty (default plan)")
+    de.add_argument("--seed", type=int, default=0, help="task order, resets and epsilon draws (default 0)")
+    de.set_defaults(func=_cmd_demos)
     pl = sub.add_parser("plot", help="write PNG curves of a run")
     pl.add_argument("run_dir")
     pl.set_defaults(func=_cmd_plot)
@@ -120,7 +144,13 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_gigpo.envs.search_qa.server import main as serve_retriever
 
         return serve_retriever(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may follow options (`demos RECIPE --out F env.max_steps=9`); argparse leaves those over.
+    if extra and hasattr(args, "overrides") and not any(item.startswith("-") for item in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     # The package's own progress lines (resume point, skipped iterations, prompt overflows) on stderr.
     package_log = logging.getLogger("megatron_gigpo")
     if not package_log.handlers:

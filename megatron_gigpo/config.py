@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from megatron_gigpo.episodes.prompts import PROMPT_OVERFLOW_POLICIES
+from megatron_gigpo.episodes.templates import PROMPT_STYLES, PROMPT_TEMPLATES
 
 
 class ConfigError(ValueError):
@@ -144,6 +145,9 @@ class EnvConfig:
     val_num_groups: int = 16
     max_steps: int = 50
     history_length: int = 2
+    # verl_agent (the paper's prompts) | compact (same layout, ~1/3 of the tokens: a CPU-recipe speed lever);
+    # megatron_gigpo.episodes.templates
+    prompt_template: str = "verl_agent"
     num_workers: int = 4
     seed: int = 0
     data_dir: str | None = None
@@ -463,6 +467,7 @@ CHOICES = {
     "algorithm.kl_loss_type": ("k1", "kl", "k2", "mse", "low_var_kl", "k3"),
     "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "env.name": ("sokoban", "alfworld", "search_qa", "webshop"),
+    "env.prompt_template": PROMPT_STYLES,
     "env.search.retriever": ("bm25", "elasticsearch", "dense", "http"),
     "env.search.information_format": ("search_r1", "verl_agent"),  # = search_qa.passages.INFORMATION_FORMATS
     "rollout.weight_sync_mode": ("colocated", "disaggregated"),
@@ -547,6 +552,11 @@ def validate_config(cfg: Config, source: str = "config") -> None:
     from megatron_gigpo.algo.advantages import ADVANTAGE_ESTIMATORS
 
     a, p, r, t = cfg.algorithm, cfg.parallel, cfg.rollout, cfg.trainer
+    e = cfg.env
+    if e.prompt_template in PROMPT_STYLES and (e.name, e.prompt_template) not in PROMPT_TEMPLATES:
+        offered = sorted(s for n, s in PROMPT_TEMPLATES if n == e.name)
+        errors.append(f"env.prompt_template={e.prompt_template!r} is not offered for env.name={e.name!r} "
+                      f"(its templates: {', '.join(offered) or 'none'})")
     if a.adv_estimator not in ADVANTAGE_ESTIMATORS:
         errors.append(f"algorithm.adv_estimator={a.adv_estimator!r} is not one of {', '.join(ADVANTAGE_ESTIMATORS)}")
     if a.adv_estimator in GROUP_RELATIVE_ESTIMATORS and r.n < 2:

@@ -38,12 +38,13 @@ from megatron_gigpo.envs.base import Anchor, ResetResult, StepResult, Task
 from megatron_gigpo.episodes.batch import TrainingBatch
 from megatron_gigpo.episodes.metrics import EpisodeSummary, episode_metrics, row_metrics, step_group_metrics
 from megatron_gigpo.episodes.prompts import (
+    DEFAULT_PROMPT_STYLE,
     PROMPT_OVERFLOW_POLICIES,
-    PromptRenderer,
     PromptTemplate,
     PromptTooLongError,
     RenderedPrompt,
-    get_prompt_template,
+    StepPromptState,
+    step_prompt_renderer,
 )
 from megatron_gigpo.episodes.workers import EnvFactory, EnvOutcome, EnvWorkerPool, registry_env_factory
 
@@ -109,12 +110,9 @@ class _Episode:
     task: Task
     uid: str
     traj_id: str
-    task_description: str = ""
-    observation: str = ""
+    prompt: StepPromptState = field(default_factory=StepPromptState)  # what the next prompt is rendered from
     anchor: Anchor = ""
-    admissible: list[str] | None = None
     task_type: str | None = None
-    history: list[tuple[str, str]] = field(default_factory=list)
     rows: list[_Row] = field(default_factory=list)
     done: bool = False
     won: bool = False
@@ -208,7 +206,9 @@ class EpisodeCollector:
             episodes fail; None waits forever.
         env_factory: picklable zero-argument callable building one environment, replacing the registry
             (custom environments); when given, ``env_kwargs`` must be empty.
-        prompt_template: overrides the registered template of ``env_name``.
+        prompt_style: the template style of ``env_name`` (recipe ``env.prompt_template``; one of
+            :data:`~megatron_gigpo.episodes.templates.PROMPT_STYLES`).
+        prompt_template: overrides the registered template of ``env_name`` (and ``prompt_style``).
         chat_template_kwargs: extra ``apply_chat_template`` arguments (e.g. ``{"enable_thinking": False}``).
         prompt_overflow: ``"end_episode"`` or ``"error"`` (:data:`PROMPT_OVERFLOW_POLICIES`): what a step
             whose prompt cannot fit ``max_prompt_length`` does (see the module docstring).
@@ -216,6 +216,7 @@ class EpisodeCollector:
     Raises:
         ValueError: a size < 1, ``env_kwargs`` with ``env_factory``, an unknown ``prompt_overflow``, or
             ``max_prompt_length + sampling.max_tokens`` over the engines' ``max_model_len``.
+        KeyError: no template of ``prompt_style`` for ``env_name`` (and no ``prompt_template``).
 
     Requires an initialised Ray. Call :meth:`close` (or use it as a context manager) to stop the workers.
     """
@@ -238,6 +239,7 @@ class EpisodeCollector:
         num_cpus_per_worker: float = 1.0,
         env_call_timeout_s: float | None = None,
         env_factory: EnvFactory | None = None,
+        prompt_style: str = DEFAULT_PROMPT_STYLE,
         prompt_template: PromptTemplate | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         prompt_overflow: str = "end_episode",
@@ -262,12 +264,9 @@ class EpisodeCollector:
         self.sampling = sampling
         self.seed = seed
         self.prompt_overflow = prompt_overflow
-        self.renderer = PromptRenderer(
-            tokenizer,
-            prompt_template if prompt_template is not None else get_prompt_template(env_name),
-            history_length=history_length,
-            max_prompt_length=max_prompt_length,
-            chat_template_kwargs=chat_template_kwargs,
+        self.renderer = step_prompt_renderer(
+            env_name, tokenizer, history_length=history_length, max_prompt_length=max_prompt_length,
+            prompt_style=prompt_style, template=prompt_template, chat_template_kwargs=chat_template_kwargs,
         )
         self.pool = EnvWorkerPool(
             factory, num_workers, num_cpus_per_worker=num_cpus_per_worker, call_timeout_s=env_call_timeout_s
@@ -390,8 +389,7 @@ class EpisodeCollector:
                 continue
             result = outcome.result
             assert isinstance(result, ResetResult), type(result)
-            episode.observation, episode.anchor = result.observation, result.anchor
-            episode.task_description, episode.admissible = result.task_description, result.admissible_actions
+            episode.prompt, episode.anchor = StepPromptState.from_reset(result), result.anchor
             episode.task_type = _task_type(episode.task, result)
         for g, task in enumerate(tasks):
             members = [(e, outcomes[e.index].result) for e in episodes[g * n : (g + 1) * n] if e.failure is None]
@@ -446,9 +444,7 @@ class EpisodeCollector:
         rendered = []
         for episode in active:
             try:
-                prompt = self.renderer.render(
-                    episode.task_description, episode.history, episode.observation, episode.admissible
-                )
+                prompt = episode.prompt.render(self.renderer)
             except PromptTooLongError as exc:
                 if self.prompt_overflow == "error":
                     raise
@@ -504,11 +500,9 @@ class EpisodeCollector:
                 action=projected.action,
             )
         )
-        episode.history.append((episode.observation, projected.action))
+        episode.prompt.advance(projected.action, result)
         episode.episode_return += float(result.reward)
-        episode.observation, episode.anchor, episode.admissible = (
-            result.observation, result.anchor, result.admissible_actions,
-        )
+        episode.anchor = result.anchor
         episode.done, episode.won = bool(result.done), bool(result.won)
 
     def _build_batch(

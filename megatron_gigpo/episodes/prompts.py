@@ -1,4 +1,11 @@
-"""Per-step prompts: environment templates, chat rendering and the explicit truncation policy.
+"""Per-step prompts: chat rendering, the explicit truncation policy, and the per-episode prompt state.
+
+The wording comes from a template of :mod:`megatron_gigpo.episodes.templates`, chosen by environment and style
+(recipe key ``env.prompt_template``: ``verl_agent``, the default described below, or ``compact``, the same
+order with terse phrases, no progress note and, for Sokoban, no admissible-action line). The RL collector and
+the demonstration writer (:mod:`megatron_gigpo.demos`) build every step's prompt through the same two pieces,
+:func:`step_prompt_renderer` and :class:`StepPromptState`, so supervised rows and rollout prompts agree byte
+for byte.
 
 Every step of an episode is a fresh, self-contained prompt (GiGPO paper Sec. 5, "memory" of the last K
 steps), laid out as verl-agent does (``agent_system/environments/env_manager.py`` ``build_text_obs`` and
@@ -44,19 +51,25 @@ each stage counted in :class:`RenderedPrompt` and reported by the collector's ``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from megatron_gigpo.episodes.templates import (  # noqa: F401 - re-exported: the prompt API lives here
+    DEFAULT_PROMPT_STYLE,
+    HISTORY_STYLES,
+    NO_ACTION_TEXT,
+    PROMPT_STYLES,
+    PROMPT_TEMPLATES,
+    PromptLayout,
+    PromptTemplate,
+    get_prompt_template,
+)
+
+if TYPE_CHECKING:
+    from megatron_gigpo.envs.base import ResetResult, StepResult
 
 #: Prefix put before a left-truncated observation so the policy can see that text is missing.
 TRUNCATION_MARKER = "[... earlier text truncated ...]\n"
-#: History text of a step whose response had no usable action (the environment got an empty action).
-NO_ACTION_TEXT = "(no valid action)"
-#: How a template writes past steps: ``observation_action`` (the observation the agent saw, then the action
-#: it took) or ``action_result`` (the action, then what it returned; the newest result is the current
-#: observation).
-HISTORY_STYLES: tuple[str, ...] = ("observation_action", "action_result")
-
-
 #: Values of ``rollout.prompt_overflow``: what the collector does on a :class:`PromptTooLongError`.
 PROMPT_OVERFLOW_POLICIES: tuple[str, ...] = ("end_episode", "error")
 
@@ -91,131 +104,6 @@ class PromptTooLongError(ValueError):
 
 
 @dataclass(frozen=True)
-class PromptTemplate:
-    """The environment-specific wording of the per-step user message (layout in the module docstring).
-
-    Attributes:
-        env: environment name the template belongs to.
-        preamble: opening paragraph: who the agent is and the environment's rules.
-        task_label: how the task line starts (``"<task_label>: <task description>"``).
-        history_intro: sentence introducing the shown past steps (what each entry holds).
-        instruction: closing paragraph: the reasoning and output-format instruction.
-        history_style: one of :data:`HISTORY_STYLES`.
-        show_initial_observation: False when the step-1 observation is the task itself (search QA's
-            question), so it is not repeated.
-
-    Raises:
-        ValueError: an unknown ``history_style``.
-    """
-
-    env: str
-    preamble: str
-    task_label: str
-    history_intro: str
-    instruction: str
-    history_style: str = "observation_action"
-    show_initial_observation: bool = True
-
-    def __post_init__(self) -> None:
-        if self.history_style not in HISTORY_STYLES:
-            raise ValueError(
-                f"PromptTemplate {self.env!r}: history_style {self.history_style!r} is not one of {HISTORY_STYLES}"
-            )
-
-    def format_action(self, action: str) -> str:
-        """A past action as shown in the history; an empty action (no usable action) is named."""
-        return action if action.strip() else NO_ACTION_TEXT
-
-
-_THINK_THEN_ACTION = (
-    "Now it is your turn to act. First reason step by step about the current situation; this reasoning MUST "
-    "be enclosed in <think> </think> tags. After the reasoning, give exactly one {what} for the current step "
-    "inside <action> </action> tags, for example <action>{example}</action>."
-)
-
-SOKOBAN_TEMPLATE = PromptTemplate(
-    env="sokoban",
-    preamble=(
-        "You are an expert agent solving a Sokoban puzzle.\n"
-        "The grid symbols: # is a wall (nothing passes through it), _ is floor, O is a target, X is a box, "
-        "\u221a is a box already on a target, P is you, and S is you standing on a target.\n"
-        "Goal: push every box (X) onto a target (O); the puzzle is solved when all boxes are on targets.\n"
-        "Rules: each move takes you one square up, down, left or right; walking into a box pushes it one "
-        "square further if that square is free. Boxes can be pushed but never pulled, and nothing can be "
-        "pushed into a wall, so a box pushed into a corner or along a wall may be stuck for good."
-    ),
-    task_label="Your task",
-    history_intro="each as the grid you saw and the move you made",
-    instruction=(
-        "Now it is your turn to make one move for the current step. First reason step by step: where are the "
-        "boxes and the targets, which path pushes a box towards a target, and which pushes would trap a box "
-        "in a corner or against a wall? This reasoning MUST be enclosed in <think> </think> tags. After the "
-        "reasoning, give exactly one admissible move inside <action> </action> tags, for example "
-        "<action>left</action>."
-    ),
-)
-
-ALFWORLD_TEMPLATE = PromptTemplate(
-    env="alfworld",
-    preamble=(
-        "You are an expert agent in ALFWorld, a household environment described only through text. You can "
-        "go to places, open and close receptacles, take and put objects, and clean, heat, cool, slice or "
-        "examine things with the appliances in the room."
-    ),
-    task_label="Your task",
-    history_intro="each as the observation you saw and the action you took",
-    instruction=_THINK_THEN_ACTION.format(
-        what="admissible action (copied exactly from the list)", example="go to cabinet 1"
-    ),
-)
-
-WEBSHOP_TEMPLATE = PromptTemplate(
-    env="webshop",
-    preamble=(
-        "You are an expert shopping agent in WebShop, an online store shown as text (page elements are "
-        "separated by [SEP]). Find the product the instruction describes: search with search[your query], "
-        "open results and choose product options with click[...], and finish with click[buy now] once the "
-        "product and its options match the instruction."
-    ),
-    task_label="Your instruction",
-    history_intro="each as the page you saw and the action you took",
-    instruction=_THINK_THEN_ACTION.format(what="admissible action", example="search[red cotton t-shirt]"),
-)
-
-SEARCH_QA_TEMPLATE = PromptTemplate(
-    env="search_qa",
-    preamble="You are an expert agent answering a question step by step with the help of a search engine.",
-    task_label="Your question",
-    history_intro=(
-        "each as your action (a query inside <search> </search>) and what the search engine returned "
-        "(inside <information> </information>)"
-    ),
-    instruction=(
-        "Now it is your turn to respond for the current step. First reason step by step; this reasoning MUST "
-        "be enclosed in <think> </think> tags. After the reasoning, do exactly one of the following, never "
-        "both:\n"
-        "(1) if some knowledge is missing, search for it by writing a query inside <search> </search> tags; "
-        "the results will come back inside <information> </information> tags;\n"
-        "(2) if you can answer confidently, give the final answer inside <answer> </answer> tags as a short "
-        "phrase without explanation, for example <answer>Paris</answer>."
-    ),
-    history_style="action_result",
-    show_initial_observation=False,
-)
-
-PROMPT_TEMPLATES: dict[str, PromptTemplate] = {
-    t.env: t for t in (SOKOBAN_TEMPLATE, ALFWORLD_TEMPLATE, WEBSHOP_TEMPLATE, SEARCH_QA_TEMPLATE)
-}
-
-
-def get_prompt_template(env_name: str) -> PromptTemplate:
-    """The template registered for ``env_name``; raises KeyError naming the known environments."""
-    if env_name not in PROMPT_TEMPLATES:
-        raise KeyError(f"no prompt template for environment {env_name!r}; known: {sorted(PROMPT_TEMPLATES)}")
-    return PROMPT_TEMPLATES[env_name]
-
-
-@dataclass(frozen=True)
 class RenderedPrompt:
     """One step's prompt after the truncation policy.
 
@@ -244,17 +132,19 @@ def format_admissible_actions(actions: Sequence[str]) -> str:
     return ", ".join(f'"{a}"' for a in actions)
 
 
-def _progress_note(step: int, first_shown: int, shown: int, history_intro: str) -> str:
+def _progress_note(layout: PromptLayout, step: int, first_shown: int, shown: int, history_intro: str) -> str:
     """How many steps were taken before step ``step`` (0-based, > 0) and which of them are shown."""
-    note = f"You have already taken {step} step{'' if step == 1 else 's'}."
+    if not layout.taken:
+        return ""
+    note = layout.taken.format(step=step, s="" if step == 1 else "s")
     if shown == 1:
-        note += f" The last one is shown below, {history_intro}."
+        note += layout.shown_one.format(shown=shown, intro=history_intro)
     elif shown > 1:
-        note += f" The last {shown} are shown below, {history_intro}."
+        note += layout.shown_many.format(shown=shown, intro=history_intro)
     if first_shown == 1:
-        note += " (Step 1 is not shown.)"
+        note += layout.hidden_one
     elif first_shown > 1:
-        note += f" (Steps 1-{first_shown} are not shown.)"
+        note += layout.hidden_many.format(last=first_shown)
     return note
 
 
@@ -325,39 +215,39 @@ class PromptRenderer:
         first_shown = step - len(history)
         paragraphs = [t.preamble, f"{t.task_label}: {task_description}"]
         if step > 0:
-            paragraphs.append(_progress_note(step, first_shown, len(history), t.history_intro))
+            paragraphs.append(_progress_note(t.layout, step, first_shown, len(history), t.history_intro))
         paragraphs.extend(self._history_entries(history, observation, first_shown))
         paragraphs.append(self._current(history, observation, step))
-        if admissible_actions is not None:
-            listed = format_admissible_actions(admissible_actions)
-            paragraphs.append(f"Admissible actions for the current step: [{listed}]")
+        if admissible_actions is not None and t.list_admissible:
+            paragraphs.append(t.layout.admissible.format(actions=format_admissible_actions(admissible_actions)))
         paragraphs.append(t.instruction)
-        return [{"role": "user", "content": "\n\n".join(paragraphs)}]
+        return [{"role": "user", "content": "\n\n".join(p for p in paragraphs if p)}]
 
     def _history_entries(self, history: Sequence[tuple[str, str]], observation: str, first_shown: int) -> list[str]:
         """One paragraph per shown step, numbered from 1, in the template's history style."""
         entries = []
+        layout = self.template.layout
         for offset, (past_observation, past_action) in enumerate(history):
             n = first_shown + offset + 1
             action = self.template.format_action(past_action)
             if self.template.history_style == "observation_action":
-                entries.append(f"[Step {n}] Observation:\n{past_observation}\n[Step {n}] Your action: {action}")
+                entries.append(layout.observation_action_entry.format(n=n, observation=past_observation, action=action))
             else:
                 # The result of a step is the next step's observation; the newest one is the current observation.
                 result = history[offset + 1][0] if offset + 1 < len(history) else observation
-                entries.append(f"[Step {n}] Your action: {action}\n[Step {n}] Result:\n{result}")
+                entries.append(layout.action_result_entry.format(n=n, action=action, result=result))
         return entries
 
     def _current(self, history: Sequence[tuple[str, str]], observation: str, step: int) -> str:
         """The current step number and the observation (unless the history or the task already holds it)."""
-        now = f"You are now at step {step + 1}."
-        if self.template.history_style == "action_result":
-            if history or (step == 0 and not self.template.show_initial_observation):
-                return now
-            return f"{now} The result of your last action:\n{observation}"
+        layout, number = self.template.layout, step + 1
         if step == 0 and not self.template.show_initial_observation:
-            return now
-        return f"{now} Current observation:\n{observation}"
+            return layout.current_bare.format(step=number)
+        if self.template.history_style == "action_result":
+            if history:
+                return layout.current_bare.format(step=number)
+            return layout.current_result.format(step=number, observation=observation)
+        return layout.current_observation.format(step=number, observation=observation)
 
     def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the chat-template render of ``messages`` with the generation prompt appended.
@@ -434,3 +324,65 @@ class PromptRenderer:
             else:
                 hi = mid - 1
         return RenderedPrompt(best_ids, best_messages, 0, window, len(obs_ids) - best_keep)
+
+
+def step_prompt_renderer(
+    env_name: str,
+    tokenizer: Any,
+    *,
+    history_length: int,
+    max_prompt_length: int,
+    prompt_style: str = DEFAULT_PROMPT_STYLE,
+    template: PromptTemplate | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> PromptRenderer:
+    """The renderer of an environment's per-step prompts (the collector's and the demonstrations').
+
+    Args:
+        env_name: environment name; with ``prompt_style`` selects the registered template.
+        tokenizer: Hugging Face tokenizer with a chat template.
+        history_length: K, past steps shown (recipe ``env.history_length``).
+        max_prompt_length: token limit (recipe ``rollout.prompt_length``).
+        prompt_style: one of :data:`PROMPT_STYLES` (recipe ``env.prompt_template``).
+        template: overrides the registered template (custom environments and tests).
+        chat_template_kwargs: extra ``apply_chat_template`` arguments.
+
+    Raises:
+        KeyError: no template registered for ``(env_name, prompt_style)`` and none given.
+        ValueError: see :class:`PromptRenderer`.
+    """
+    chosen = template if template is not None else get_prompt_template(env_name, prompt_style)
+    return PromptRenderer(tokenizer, chosen, history_length=history_length, max_prompt_length=max_prompt_length,
+                          chat_template_kwargs=chat_template_kwargs)
+
+
+@dataclass
+class StepPromptState:
+    """What an episode's next prompt is rendered from, advanced step by step in one way for every caller.
+
+    Attributes:
+        task_description: the episode's goal (from the reset).
+        observation: the current observation text.
+        admissible: the current admissible actions, or None where the environment lists none.
+        history: every (observation, executed action) pair so far, oldest first; ``len(history)`` is the
+            0-based index of the current step.
+    """
+
+    task_description: str = ""
+    observation: str = ""
+    admissible: list[str] | None = None
+    history: list[tuple[str, str]] = field(default_factory=list)
+
+    @classmethod
+    def from_reset(cls, reset: ResetResult) -> "StepPromptState":
+        """The state at step 0 of an episode that reset to ``reset``."""
+        return cls(reset.task_description, reset.observation, reset.admissible_actions)
+
+    def render(self, renderer: PromptRenderer) -> RenderedPrompt:
+        """The current step's prompt (raises :class:`PromptTooLongError` as :meth:`PromptRenderer.render`)."""
+        return renderer.render(self.task_description, self.history, self.observation, self.admissible)
+
+    def advance(self, action: str, result: StepResult) -> None:
+        """Record the executed (projected) ``action`` with the observation it answered, then move to ``result``."""
+        self.history.append((self.observation, action))
+        self.observation, self.admissible = result.observation, result.admissible_actions

@@ -1,0 +1,294 @@
+"""The wording of the per-step prompts: one registry of templates keyed by (environment, style).
+
+A template (:class:`PromptTemplate`) holds an environment's own text (preamble, task label, reply instruction);
+its :class:`PromptLayout` holds the connecting phrases the renderer (:mod:`megatron_gigpo.episodes.prompts`)
+puts between them (progress note, history entries, current step, admissible-action line). Styles, the values
+of the recipe key ``env.prompt_template`` (:data:`PROMPT_STYLES`):
+
+- ``verl_agent`` (default): the GiGPO paper's prompts, laid out as verl-agent writes them
+  (``agent_system/environments/prompts/{sokoban,alfworld,webshop,search}.py``): role and rules, a numbered
+  history with a progress note, a step-by-step reasoning instruction (~370 SmolLM2 tokens at Sokoban step 1).
+- ``compact``: the same structure and the same reply format (``<think>...</think>`` then ``<action>...</action>``,
+  or ``<search>``/``<answer>`` for search QA, which the projections require), with a one-line preamble, terse
+  history labels and a one-line instruction (~120 tokens at Sokoban step 1): a speed lever for CPU recipes
+  and tiny models cold-started by supervised fine-tuning. Sokoban's compact template does not list the four
+  admissible moves (its instruction names them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: How a template writes past steps: ``observation_action`` (the observation the agent saw, then the action
+#: it took) or ``action_result`` (the action, then what it returned; the newest result is the current
+#: observation).
+HISTORY_STYLES: tuple[str, ...] = ("observation_action", "action_result")
+#: Values of ``env.prompt_template`` (module docstring); the first is the default.
+PROMPT_STYLES: tuple[str, ...] = ("verl_agent", "compact")
+DEFAULT_PROMPT_STYLE = PROMPT_STYLES[0]
+#: History text of a step whose response had no usable action (the environment got an empty action).
+NO_ACTION_TEXT = "(no valid action)"
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """The connecting phrases of one style, as ``str.format`` patterns (an empty pattern writes nothing).
+
+    Attributes:
+        style: the style name (:data:`PROMPT_STYLES`).
+        taken: progress note from step 2 on; fields ``{step}`` (steps taken) and ``{s}`` (plural suffix).
+        shown_one / shown_many: appended to the note when one / several past steps are shown; ``{shown}``,
+            ``{intro}`` (the template's ``history_intro``).
+        hidden_one / hidden_many: appended when step 1 / steps ``1..{last}`` fall outside the window.
+        observation_action_entry: one past step in the ``observation_action`` history style; ``{n}``
+            (1-based step), ``{observation}``, ``{action}``.
+        action_result_entry: one past step in the ``action_result`` style; ``{n}``, ``{action}``, ``{result}``.
+        current_observation: the current step with its observation; ``{step}`` (1-based), ``{observation}``.
+        current_result: the current step with the newest result (``action_result`` style, no history shown).
+        current_bare: the current step alone (its observation is the task, or the last history entry).
+        admissible: the admissible-action line; ``{actions}`` (quoted, comma-separated).
+    """
+
+    style: str
+    taken: str
+    shown_one: str
+    shown_many: str
+    hidden_one: str
+    hidden_many: str
+    observation_action_entry: str
+    action_result_entry: str
+    current_observation: str
+    current_result: str
+    current_bare: str
+    admissible: str
+
+
+VERL_AGENT_LAYOUT = PromptLayout(
+    style="verl_agent",
+    taken="You have already taken {step} step{s}.",
+    shown_one=" The last one is shown below, {intro}.",
+    shown_many=" The last {shown} are shown below, {intro}.",
+    hidden_one=" (Step 1 is not shown.)",
+    hidden_many=" (Steps 1-{last} are not shown.)",
+    observation_action_entry="[Step {n}] Observation:\n{observation}\n[Step {n}] Your action: {action}",
+    action_result_entry="[Step {n}] Your action: {action}\n[Step {n}] Result:\n{result}",
+    current_observation="You are now at step {step}. Current observation:\n{observation}",
+    current_result="You are now at step {step}. The result of your last action:\n{observation}",
+    current_bare="You are now at step {step}.",
+    admissible="Admissible actions for the current step: [{actions}]",
+)
+
+# Terse: the step numbers of the entries say what the progress note would (so it is left out).
+COMPACT_LAYOUT = PromptLayout(
+    style="compact",
+    taken="",
+    shown_one="",
+    shown_many="",
+    hidden_one="",
+    hidden_many="",
+    observation_action_entry="Step {n}:\n{observation}\nAction: {action}",
+    action_result_entry="Step {n} action: {action}\nResult:\n{result}",
+    current_observation="Now:\n{observation}",
+    current_result="Now, last result:\n{observation}",
+    current_bare="",
+    admissible="Actions: [{actions}]",
+)
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """The environment-specific wording of the per-step user message (layout in :mod:`.prompts`).
+
+    Attributes:
+        env: environment name the template belongs to.
+        preamble: opening paragraph: who the agent is and the environment's rules.
+        task_label: how the task line starts (``"<task_label>: <task description>"``).
+        history_intro: phrase introducing the shown past steps (what each entry holds); used by layouts
+            whose ``shown_*`` patterns name it.
+        instruction: closing paragraph: the reasoning and output-format instruction.
+        history_style: one of :data:`HISTORY_STYLES`.
+        show_initial_observation: False when the step-1 observation is the task itself (search QA's
+            question), so it is not repeated.
+        layout: the connecting phrases (:class:`PromptLayout`); its ``style`` is the template's style.
+        list_admissible: write the admissible-action line when the environment gives a list.
+
+    Raises:
+        ValueError: an unknown ``history_style`` or layout style.
+    """
+
+    env: str
+    preamble: str
+    task_label: str
+    history_intro: str
+    instruction: str
+    history_style: str = "observation_action"
+    show_initial_observation: bool = True
+    layout: PromptLayout = VERL_AGENT_LAYOUT
+    list_admissible: bool = True
+
+    def __post_init__(self) -> None:
+        if self.history_style not in HISTORY_STYLES:
+            raise ValueError(
+                f"PromptTemplate {self.env!r}: history_style {self.history_style!r} is not one of {HISTORY_STYLES}"
+            )
+        if self.layout.style not in PROMPT_STYLES:
+            raise ValueError(f"PromptTemplate {self.env!r}: layout style {self.layout.style!r} not in {PROMPT_STYLES}")
+
+    @property
+    def style(self) -> str:
+        return self.layout.style
+
+    def format_action(self, action: str) -> str:
+        """A past action as shown in the history; an empty action (no usable action) is named."""
+        return action if action.strip() else NO_ACTION_TEXT
+
+
+_THINK_THEN_ACTION = (
+    "Now it is your turn to act. First reason step by step about the current situation; this reasoning MUST "
+    "be enclosed in <think> </think> tags. After the reasoning, give exactly one {what} for the current step "
+    "inside <action> </action> tags, for example <action>{example}</action>."
+)
+
+SOKOBAN_TEMPLATE = PromptTemplate(
+    env="sokoban",
+    preamble=(
+        "You are an expert agent solving a Sokoban puzzle.\n"
+        "The grid symbols: # is a wall (nothing passes through it), _ is floor, O is a target, X is a box, "
+        "\u221a is a box already on a target, P is you, and S is you standing on a target.\n"
+        "Goal: push every box (X) onto a target (O); the puzzle is solved when all boxes are on targets.\n"
+        "Rules: each move takes you one square up, down, left or right; walking into a box pushes it one "
+        "square further if that square is free. Boxes can be pushed but never pulled, and nothing can be "
+        "pushed into a wall, so a box pushed into a corner or along a wall may be stuck for good."
+    ),
+    task_label="Your task",
+    history_intro="each as the grid you saw and the move you made",
+    instruction=(
+        "Now it is your turn to make one move for the current step. First reason step by step: where are the "
+        "boxes and the targets, which path pushes a box towards a target, and which pushes would trap a box "
+        "in a corner or against a wall? This reasoning MUST be enclosed in <think> </think> tags. After the "
+        "reasoning, give exactly one admissible move inside <action> </action> tags, for example "
+        "<action>left</action>."
+    ),
+)
+
+ALFWORLD_TEMPLATE = PromptTemplate(
+    env="alfworld",
+    preamble=(
+        "You are an expert agent in ALFWorld, a household environment described only through text. You can "
+        "go to places, open and close receptacles, take and put objects, and clean, heat, cool, slice or "
+        "examine things with the appliances in the room."
+    ),
+    task_label="Your task",
+    history_intro="each as the observation you saw and the action you took",
+    instruction=_THINK_THEN_ACTION.format(
+        what="admissible action (copied exactly from the list)", example="go to cabinet 1"
+    ),
+)
+
+WEBSHOP_TEMPLATE = PromptTemplate(
+    env="webshop",
+    preamble=(
+        "You are an expert shopping agent in WebShop, an online store shown as text (page elements are "
+        "separated by [SEP]). Find the product the instruction describes: search with search[your query], "
+        "open results and choose product options with click[...], and finish with click[buy now] once the "
+        "product and its options match the instruction."
+    ),
+    task_label="Your instruction",
+    history_intro="each as the page you saw and the action you took",
+    instruction=_THINK_THEN_ACTION.format(what="admissible action", example="search[red cotton t-shirt]"),
+)
+
+SEARCH_QA_TEMPLATE = PromptTemplate(
+    env="search_qa",
+    preamble="You are an expert agent answering a question step by step with the help of a search engine.",
+    task_label="Your question",
+    history_intro=(
+        "each as your action (a query inside <search> </search>) and what the search engine returned "
+        "(inside <information> </information>)"
+    ),
+    instruction=(
+        "Now it is your turn to respond for the current step. First reason step by step; this reasoning MUST "
+        "be enclosed in <think> </think> tags. After the reasoning, do exactly one of the following, never "
+        "both:\n"
+        "(1) if some knowledge is missing, search for it by writing a query inside <search> </search> tags; "
+        "the results will come back inside <information> </information> tags;\n"
+        "(2) if you can answer confidently, give the final answer inside <answer> </answer> tags as a short "
+        "phrase without explanation, for example <answer>Paris</answer>."
+    ),
+    history_style="action_result",
+    show_initial_observation=False,
+)
+
+_COMPACT_REPLY = "Reply <think>reasoning</think><action>{what}</action>"
+
+COMPACT_SOKOBAN_TEMPLATE = PromptTemplate(
+    env="sokoban",
+    preamble="# wall, _ floor, \u221a box on target, P you, S you on target.",
+    task_label="Task",
+    history_intro="",
+    instruction=_COMPACT_REPLY.format(what="up|down|left|right"),
+    layout=COMPACT_LAYOUT,
+    list_admissible=False,
+)
+
+COMPACT_ALFWORLD_TEMPLATE = PromptTemplate(
+    env="alfworld",
+    preamble="ALFWorld: a text household. Act with one admissible command per step.",
+    task_label="Task",
+    history_intro="",
+    instruction=_COMPACT_REPLY.format(what="one action from the list"),
+    layout=COMPACT_LAYOUT,
+)
+
+COMPACT_WEBSHOP_TEMPLATE = PromptTemplate(
+    env="webshop",
+    preamble="WebShop: a text store. search[query], click[...] on results and options, then click[buy now].",
+    task_label="Instruction",
+    history_intro="",
+    instruction=_COMPACT_REPLY.format(what="one action from the list"),
+    layout=COMPACT_LAYOUT,
+)
+
+COMPACT_SEARCH_QA_TEMPLATE = PromptTemplate(
+    env="search_qa",
+    preamble="Answer the question; a search engine can help.",
+    task_label="Question",
+    history_intro="",
+    instruction=(
+        "Reply <think>reasoning</think> then either <search>query</search> (results come back in "
+        "<information></information>) or <answer>short answer</answer>."
+    ),
+    history_style="action_result",
+    show_initial_observation=False,
+    layout=COMPACT_LAYOUT,
+)
+
+#: Every template, keyed by (environment name, style).
+PROMPT_TEMPLATES: dict[tuple[str, str], PromptTemplate] = {
+    (t.env, t.style): t
+    for t in (
+        SOKOBAN_TEMPLATE, ALFWORLD_TEMPLATE, WEBSHOP_TEMPLATE, SEARCH_QA_TEMPLATE,
+        COMPACT_SOKOBAN_TEMPLATE, COMPACT_ALFWORLD_TEMPLATE, COMPACT_WEBSHOP_TEMPLATE, COMPACT_SEARCH_QA_TEMPLATE,
+    )
+}
+
+
+def template_envs(style: str = DEFAULT_PROMPT_STYLE) -> list[str]:
+    """The environments that have a template of ``style``, sorted."""
+    return sorted(env for env, s in PROMPT_TEMPLATES if s == style)
+
+
+def get_prompt_template(env_name: str, style: str = DEFAULT_PROMPT_STYLE) -> PromptTemplate:
+    """The template registered for ``(env_name, style)``.
+
+    Raises:
+        KeyError: no template for that environment, or none of that style (the message lists what exists).
+    """
+    if (env_name, style) in PROMPT_TEMPLATES:
+        return PROMPT_TEMPLATES[(env_name, style)]
+    if not any(env == env_name for env, _ in PROMPT_TEMPLATES):
+        raise KeyError(
+            f"no prompt template for environment {env_name!r}; known: {sorted({e for e, _ in PROMPT_TEMPLATES})}"
+        )
+    styles = sorted(s for e, s in PROMPT_TEMPLATES if e == env_name)
+    raise KeyError(f"no {style!r} prompt template for environment {env_name!r}; its styles: {styles}")

@@ -1,0 +1,134 @@
+"""Demonstrations against the real parts: the RL collector's prompts (vLLM, Ray) and ALFWorld's games."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from megatron_gigpo.builders import _build_collector, step_prompt_settings
+from megatron_gigpo.config import load_config
+from megatron_gigpo.demos import Expert, ExpertMove, ExpertUnavailable, demo_tasks, write_demos
+from megatron_gigpo.demos.experts import ALFWORLD_READ_ONLY, ALFWORLD_READ_ONLY_PREFIXES
+from megatron_gigpo.demos.writer import play_episode
+from megatron_gigpo.env_settings import env_kwargs, load_task_list
+from megatron_gigpo.envs.registry import make_env
+from megatron_gigpo.episodes.prompts import StepPromptState, step_prompt_renderer
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class ReplayExpert(Expert):
+    """Replays a fixed action list (the actions the collector executed), then has no move."""
+
+    def __init__(self, actions: list[str]) -> None:
+        self.actions, self.next = actions, 0
+
+    def next_move(self, state: StepPromptState) -> ExpertMove:
+        if self.next >= len(self.actions):
+            raise ExpertUnavailable("replay finished")
+        return ExpertMove(self.actions[self.next], self.actions[self.next :])
+
+    def taken(self, action: str, by_expert: bool) -> None:
+        self.next += 1
+
+    def describe(self, move: ExpertMove) -> str:
+        return ""
+
+
+@pytest.fixture(scope="module")
+def engine_group(ray_local, tiny_model_dir):
+    from megatron_gigpo.rollout.engine import RolloutEngineGroup
+
+    group = RolloutEngineGroup(str(tiny_model_dir), 1, max_model_len=2048, cpu_kvcache_space_gib=0.25, num_cpus=1,
+                               dtype="bfloat16")
+    try:
+        yield group
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.parametrize("style", ["compact", "verl_agent"])
+def test_demo_prompts_are_the_collectors_prompts(tiny_tokenizer, engine_group, style):
+    """The recipe's collector (builders._build_collector) and the demo writer's path render the same ids."""
+    cfg = load_config(ROOT / "recipes/smoke/cpu.yaml", [
+        f"env.prompt_template={style}", "env.sokoban.dim_room=[6,6]", "env.max_steps=3", "env.history_length=2",
+        "rollout.response_length=16",
+    ])
+    tasks = load_task_list(cfg.env, "train")[:2]
+    with _build_collector(cfg, tiny_tokenizer, engine_group) as collector:
+        assert collector.renderer.template.style == style
+        batch, _ = collector.collect(tasks, iteration=0)
+    renderer = step_prompt_renderer(cfg.env.name, tiny_tokenizer, **step_prompt_settings(cfg))
+    env = make_env(cfg.env.name, **env_kwargs(cfg.env))
+    by_traj: dict[str, list[int]] = {}
+    for i, traj in enumerate(batch.traj_id):
+        by_traj.setdefault(traj, []).append(i)
+    assert len(by_traj) == 4 and max(len(idx) for idx in by_traj.values()) > 1  # histories are rendered too
+    for traj, idx in by_traj.items():
+        task = tasks[int(traj.split("-g")[1].split("-")[0])]
+        actions = [batch.extras["actions"][i] for i in idx]
+        episode = play_episode(env, ReplayExpert(actions), renderer, task, reset_seed=0, max_steps=cfg.env.max_steps,
+                               epsilon=0.0, rng=random.Random(0), reasoning="none")
+        assert [r["action"] for r in episode.rows] == actions
+        for row, i in zip(episode.rows, idx):
+            ids = renderer.encode_messages(row["messages"][:-1])
+            assert ids == batch.prompt_ids[i].tolist() and row["prompt_tokens"] == len(ids)
+    env.close()
+
+
+@pytest.fixture(scope="module")
+def alfworld_cfg(shared_dir):
+    data = shared_dir / "data" / "alfworld"
+    if not (data / "valid_unseen").is_dir() or not (data / "valid_seen").is_dir():
+        pytest.skip("shared ALFWorld games not found")
+    # The shared folder holds validation games only: train on valid_unseen, validate on valid_seen.
+    return load_config(ROOT / "recipes/smoke/alfworld-cpu.yaml", [
+        f"env.data_dir={data}", "env.alfworld.train_split_dir=valid_unseen", "env.max_steps=50",
+        "env.prompt_template=compact", "rollout.prompt_length=4096", "trainer.micro_batch_tokens=8192",
+    ])
+
+
+def _episodes(path: Path) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        out.setdefault(row["episode"], []).append(row)
+    return out
+
+
+def test_alfworld_walkthrough_demos_win(alfworld_cfg, tiny_tokenizer, tmp_path):
+    out = tmp_path / "alfworld.jsonl"
+    stats = write_demos(alfworld_cfg, out, num_episodes=3, epsilon=0.0, seed=0, tokenizer=tiny_tokenizer)
+    assert stats.episodes == 3 and stats.success_rate == 1.0 and stats.end_reasons == {"won": 3}
+    val_ids = {t.task_id for t in load_task_list(alfworld_cfg.env, "val")}
+    for episode in _episodes(out).values():
+        assert episode[0]["task_id"] not in val_ids and episode[0]["task_id"].startswith("valid_unseen/")
+        for row in episode:
+            user, reply = row["messages"]
+            assert f'"{row["action"]}"' in user["content"].split("\n\nActions: [", 1)[1]  # an admissible action
+            assert reply["content"].startswith("<think>Plan: ") and reply["content"].endswith(f"<action>{row['action']}</action>")
+
+
+def test_alfworld_epsilon_stops_where_the_walkthrough_no_longer_applies(alfworld_cfg, tiny_tokenizer, tmp_path):
+    out = tmp_path / "eps.jsonl"
+    stats = write_demos(alfworld_cfg, out, num_episodes=3, epsilon=0.5, seed=1, tokenizer=tiny_tokenizer)
+    assert stats.random_steps > 0 and set(stats.end_reasons) <= {"won", "expert_unavailable", "step_limit"}
+    for episode in _episodes(out).values():
+        for k, row in enumerate(episode):
+            read_only = row["action"] in ALFWORLD_READ_ONLY or row["action"].startswith(ALFWORLD_READ_ONLY_PREFIXES)
+            if not row["expert"] and not read_only:
+                assert k == len(episode) - 1  # a state-changing random action is the episode's last row
+
+
+def test_alfworld_training_tasks_that_are_validation_tasks_are_refused(alfworld_cfg):
+    alfworld_cfg.env.alfworld.train_split_dir = alfworld_cfg.env.alfworld.val_split_dir
+    try:
+        with pytest.raises(ValueError, match="training task\\(s\\) are also validation tasks"):
+            demo_tasks(alfworld_cfg, 2, seed=0)
+    finally:
+        alfworld_cfg.env.alfworld.train_split_dir = "valid_unseen"
