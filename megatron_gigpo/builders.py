@@ -92,6 +92,43 @@ def init_ray(cfg: Config) -> dict[str, float]:
     return ray.cluster_resources()
 
 
+def start_ray(cfg: Config, stack: contextlib.ExitStack, *, check_env: bool = True) -> dict[str, float]:
+    """:func:`init_ray`, with ``ray.shutdown`` registered on ``stack``, then the preflight checks
+    (:func:`megatron_gigpo.preflight.preflight`; ``check_env=False`` skips the environment's data and services).
+
+    Returns ``ray.cluster_resources()``.
+
+    Raises:
+        PreflightError: the recipe cannot run here.
+    """
+    from megatron_gigpo.preflight import preflight
+
+    resources = init_ray(cfg)
+    stack.callback(_shutdown_ray)
+    preflight(cfg, resources if "RAY_ADDRESS" in os.environ else None, check_env=check_env)
+    return resources
+
+
+def start_actor_group(cfg: Config, actor_cfg, stack: contextlib.ExitStack):
+    """The Megatron actor ranks of ``cfg``'s layout (``trainer.nnodes x trainer.devices_per_node``), one
+    placement-group bundle each (a GPU, or a CPU share), built from ``actor_cfg``; their shutdown is
+    registered on ``stack``. Used by RL training and by the SFT stage alike.
+
+    Returns:
+        ``(placement_group, ActorGroup)``.
+    """
+    from megatron_gigpo.actor_group import ActorGroup
+
+    world = cfg.trainer.nnodes * cfg.trainer.devices_per_node
+    use_gpu = cfg.trainer.device == "cuda"
+    placement = _placement_group(world, use_gpu)
+    actors = ActorGroup(actor_cfg, world, placement,
+                        num_gpus=(GPU_RANK_SHARE if _gpu_colocated(cfg) else 1) if use_gpu else 0,
+                        num_cpus=1 if use_gpu else CPU_RANK_SHARE, env_vars=_rank_env(cfg))
+    stack.callback(actors.shutdown)
+    return placement, actors
+
+
 class PhaseTimer:
     """Wall time per phase of one iteration, reported as ``timing/<phase>_s`` and tokens/s; shows the
     running phase on the run's progress bar (if any)."""
@@ -178,30 +215,20 @@ class RunContext:
     def _start(self) -> None:
         from transformers import AutoTokenizer
 
-        from megatron_gigpo.actor_group import ActorGroup
         from megatron_gigpo.algo.advantages import AdvantageParams
         from megatron_gigpo.env_settings import load_task_list, validation_subset
         from megatron_gigpo.metrics import MetricsLogger
         from megatron_gigpo.models.random_init import resolve_model
-        from megatron_gigpo.preflight import preflight
 
         cfg = self.cfg
-        resources = init_ray(cfg)
-        preflight(cfg, resources if "RAY_ADDRESS" in os.environ else None)
-        self._stack.callback(_shutdown_ray)
+        start_ray(cfg, self._stack)
         model_dir = resolve_model(cfg.model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.adv_params = AdvantageParams.from_algorithm_config(cfg.algorithm)
         self.train_task_list = load_task_list(cfg.env, "train")
         self.val_task_list = validation_subset(load_task_list(cfg.env, "val"), cfg.env.val_num_groups)
 
-        world = cfg.trainer.nnodes * cfg.trainer.devices_per_node
-        use_gpu = cfg.trainer.device == "cuda"
-        self.placement = _placement_group(world, use_gpu)
-        self.actors = ActorGroup(actor_config(cfg, model_dir), world, self.placement,
-                                 num_gpus=(GPU_RANK_SHARE if _gpu_colocated(cfg) else 1) if use_gpu else 0,
-                                 num_cpus=1 if use_gpu else CPU_RANK_SHARE, env_vars=_rank_env(cfg))
-        self._stack.callback(self.actors.shutdown)
+        self.placement, self.actors = start_actor_group(cfg, actor_config(cfg, model_dir), self._stack)
         self._resume()
         self.engines = _build_engines(cfg, model_dir, self.placement)
         self._stack.callback(self.engines.shutdown)

@@ -1,4 +1,4 @@
-"""The ``megatron-gigpo`` command line: train, eval, validate, demos, convert, plot, serve-retriever."""
+"""The ``megatron-gigpo`` command line: demos, sft, train, eval, validate, convert, plot, serve-retriever."""
 
 from __future__ import annotations
 
@@ -40,6 +40,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
               f"trainer.total_iterations={cfg.trainer.total_iterations}; raise it to train further")
         return 0
     train(cfg)
+    return 0
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from megatron_gigpo.config import load_config
+    from megatron_gigpo.sft.data import SFTDataError
+    from megatron_gigpo.sft.trainer import run_sft
+
+    cfg = load_config(args.recipe, args.overrides)
+    try:
+        run_sft(cfg)
+    except SFTDataError as exc:
+        print(f"megatron-gigpo: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -103,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="section.key=value overrides")
         return p
 
+    recipe_cmd("sft", "supervised cold start on the recipe's sft.train_file demonstrations; writes "
+                      "<run dir>/sft/hf").set_defaults(func=_cmd_sft)
     recipe_cmd("train", "train a policy with GiGPO").set_defaults(func=_cmd_train)
     ev = recipe_cmd("eval", "evaluate a checkpoint on the recipe's validation tasks")
     ev.add_argument("--checkpoint", required=True,

@@ -232,6 +232,30 @@ class CheckpointConfig:
 
 
 @dataclass
+class SFTConfig:
+    """Supervised cold start (``megatron-gigpo sft``, :mod:`megatron_gigpo.sft`): NLL on the assistant targets
+    of JSONL demonstrations, on the same Megatron actor as RL. Model, parallel layout, device, micro-batch
+    budget and Adam settings (weight decay, betas, eps, clip_grad) come from ``model``, ``parallel``,
+    ``trainer`` and ``optim``. Writes ``<run dir>/sft/``: metrics, ``checkpoints/`` and ``hf/`` (the trained
+    model; an RL recipe reads it as ``model.path``)."""
+
+    train_file: str | None = None  # JSONL rows {"messages": [{"role", "content"}, ...]}, last = assistant target
+    val_file: str | None = None  # held-out rows (same format); null: val_fraction of train_file
+    val_fraction: float = 0.05  # share of train_file held out (seeded) when val_file is null; 0: none
+    epochs: int = 3
+    batch_size: int = 64  # rows per optimizer step
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0  # optimizer steps
+    lr_decay_style: str = "cosine"  # constant | linear | cosine, over all optimizer steps of the run
+    loss_agg_mode: str = "token-mean"
+    max_length: int = 4096  # tokens of prompt + response (end token included); longer rows are invalid
+    skip_invalid_rows: bool = False  # count, report and skip invalid rows instead of stopping at the first
+    save_every: int = 0  # optimizer steps between checkpoints; 0: only at the end of each epoch (always saved)
+    seed: int = 1  # held-out split and per-epoch shuffle
+
+
+@dataclass
 class Config:
     model: ModelConfig
     env: EnvConfig
@@ -242,6 +266,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -473,6 +498,8 @@ CHOICES = {
     "rollout.weight_sync_mode": ("colocated", "disaggregated"),
     "rollout.prompt_overflow": PROMPT_OVERFLOW_POLICIES,
     "optim.lr_decay_style": ("constant", "linear", "cosine"),
+    "sft.lr_decay_style": ("constant", "linear", "cosine"),
+    "sft.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "trainer.device": ("cuda", "cpu"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.init": ("pretrained", "random"),
@@ -619,5 +646,24 @@ def validate_config(cfg: Config, source: str = "config") -> None:
             f"trainer.micro_batch_tokens={t.micro_batch_tokens} is smaller than one row "
             f"(rollout.prompt_length + rollout.response_length = {r.prompt_length + r.response_length})"
         )
+    errors += _sft_errors(cfg.sft, dp)
     if errors:
         raise ConfigError(f"{source}: " + "; ".join(errors))
+
+
+def _sft_errors(s: SFTConfig, dp: int) -> list[str]:
+    """Range checks of the ``sft`` section (choices are in :data:`CHOICES`)."""
+    errors = [f"sft.{k}={v} must be >= 1" for k, v in (("epochs", s.epochs), ("batch_size", s.batch_size)) if v < 1]
+    if s.batch_size < dp:
+        errors.append(f"sft.batch_size={s.batch_size} is smaller than DP={dp}: every data-parallel rank needs a row")
+    if not s.lr > 0.0:
+        errors.append(f"sft.lr={s.lr} must be > 0")
+    if not 0.0 <= s.min_lr <= s.lr:
+        errors.append(f"sft.min_lr={s.min_lr} must be in [0, sft.lr={s.lr}]")
+    if not 0.0 <= s.val_fraction < 1.0:
+        errors.append(f"sft.val_fraction={s.val_fraction} must be in [0, 1)")
+    if s.max_length < 2:
+        errors.append(f"sft.max_length={s.max_length} must be >= 2 (a prompt token and the end token)")
+    errors += [f"sft.{k}={v} must be >= 0" for k, v in (("lr_warmup_steps", s.lr_warmup_steps),
+                                                          ("save_every", s.save_every), ("seed", s.seed)) if v < 0]
+    return errors

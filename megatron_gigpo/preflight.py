@@ -63,13 +63,14 @@ def _check_devices(cfg: Config, cluster_resources: dict[str, float] | None) -> l
     return []
 
 
-def preflight(cfg: Config, cluster_resources: dict[str, float] | None = None) -> None:
+def preflight(cfg: Config, cluster_resources: dict[str, float] | None = None, *, check_env: bool = True) -> None:
     """Check devices, model files, data directories and services for ``cfg``.
 
     Args:
         cfg: a validated config.
         cluster_resources: ``ray.cluster_resources()`` when a Ray cluster is already connected, else None
             (local devices are counted).
+        check_env: also check the environment's data and services (False for ``sft``, which runs none).
 
     Raises:
         PreflightError: listing every problem found.
@@ -78,6 +79,7 @@ def preflight(cfg: Config, cluster_resources: dict[str, float] | None = None) ->
 
     problems = _check_devices(cfg, cluster_resources)
     problems += _check_model(cfg)
-    problems += check_env_resources(cfg.env)
+    if check_env:
+        problems += check_env_resources(cfg.env)
     if problems:
         raise PreflightError("preflight failed:\n  - " + "\n  - ".join(problems))

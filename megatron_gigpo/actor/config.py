@@ -53,10 +53,12 @@ class OptimizerSettings:
 
 @dataclass(frozen=True)
 class LossSettings:
-    """PPO clipped surrogate + KL + entropy (verl ``actor`` vocabulary; the math lives in
+    """Policy loss + KL + entropy (verl ``actor`` vocabulary; the math lives in
     :mod:`megatron_gigpo.algo.losses`).
 
     Attributes:
+        policy_loss: name in :data:`megatron_gigpo.algo.losses.POLICY_LOSSES`: ``vanilla`` (PPO clipped
+            surrogate, RL) or ``nll`` (supervised fine-tuning; ignores advantages and old log-probs).
         clip_ratio_low, clip_ratio_high: PPO clip range ``[1 - low, 1 + high]`` (DAPO clip-higher).
         clip_ratio_c: dual-clip constant for negative advantages (Ye et al. 2020), > 1.
         loss_agg_mode: ``token-mean`` | ``seq-mean-token-sum`` | ``seq-mean-token-mean``; the mean is
@@ -68,6 +70,7 @@ class LossSettings:
         entropy_coeff: entropy bonus weight (subtracted from the loss).
     """
 
+    policy_loss: str = "vanilla"
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
@@ -133,6 +136,8 @@ class ActorConfig:
         Raises:
             ValueError: naming the first bad field and its value.
         """
+        from megatron_gigpo.algo.losses import POLICY_LOSSES
+
         checks: list[tuple[bool, str]] = [
             (self.params_dtype in DTYPES, f"params_dtype={self.params_dtype!r} not in {sorted(DTYPES)}"),
             (self.tensor_model_parallel_size >= 1, "tensor_model_parallel_size must be >= 1"),
@@ -162,6 +167,10 @@ class ActorConfig:
             (
                 self.loss.kl_loss_type in _KL_TYPES,
                 f"loss.kl_loss_type={self.loss.kl_loss_type!r} not in {_KL_TYPES}",
+            ),
+            (
+                self.loss.policy_loss in POLICY_LOSSES,
+                f"loss.policy_loss={self.loss.policy_loss!r} not in {sorted(POLICY_LOSSES)}",
             ),
             (self.loss.clip_ratio_c > 1.0, f"loss.clip_ratio_c={self.loss.clip_ratio_c} must be > 1"),
         ]

@@ -237,7 +237,8 @@ class PolicyActor:
         old_log_probs: Sequence[torch.Tensor],
         ref_log_probs: Sequence[torch.Tensor] | None = None,
     ) -> dict[str, float]:
-        """PPO update: ``ppo_epochs`` passes, one optimizer step per mini-batch of ``ppo_mini_batch_size`` rows.
+        """Policy update (PPO, or supervised NLL with ``loss.policy_loss="nll"``): ``ppo_epochs`` passes, one
+        optimizer step per mini-batch of ``ppo_mini_batch_size`` rows.
 
         The LR schedule advances once per call (one training iteration, verl's unit for
         ``lr_warmup_steps``), before the first step: update k (1-based) trains at the schedule's LR at k, so
@@ -250,9 +251,10 @@ class PolicyActor:
             ref_log_probs: per row float32 (R_i,) reference log-probs; required iff ``loss.use_kl_loss``.
 
         Returns:
-            ``actor/<metric>`` means over the optimizer steps of this call (``loss``, ``pg_loss``,
-            ``entropy``, ``kl_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``, ``grad_norm``,
-            ``update_skipped``), ``actor/lr`` of the last step and ``actor/num_optimizer_steps``.
+            ``actor/<metric>`` means over the optimizer steps of this call (``loss``, ``entropy``,
+            ``kl_loss``, ``grad_norm``, ``update_skipped`` and the policy loss's own metrics: ``pg_loss``,
+            ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` for ``vanilla``, ``nll`` for ``nll``),
+            ``actor/lr`` of the last step and ``actor/num_optimizer_steps``.
 
         Raises:
             ValueError: inputs disagree with the batch (row count, response lengths, missing reference).
@@ -340,6 +342,21 @@ class PolicyActor:
         self.update_calls = int(loaded["actor_state"]["update_calls"])
         self.optimizer_steps = int(loaded["actor_state"]["optimizer_steps"])
         return loaded["trainer_state"]
+
+    def save_hf_model(self, out_dir: str, *, max_shard_bytes: int = 5 * 10**9) -> str:
+        """Write the policy as a Hugging Face model directory (safetensors in ``params_dtype``, config and
+        tokenizer files of ``model_path``), atomically; collective over all ranks.
+
+        See :func:`megatron_gigpo.models.convert.write_hf_model`. Returns ``out_dir``.
+
+        Raises:
+            FileExistsError: ``out_dir`` exists and is not empty.
+        """
+        from megatron_gigpo.models.convert import write_hf_model
+
+        write_hf_model(self.model_chunks, out_dir, hf_config_dir=self.config.model_path,
+                       max_shard_bytes=max_shard_bytes)
+        return out_dir
 
     def export_weights(
         self, bucket_size_bytes: int, *, dtype: torch.dtype | None = None, destination: str = "rank0"

@@ -1,5 +1,6 @@
-"""One PPO optimizer step per mini-batch on Megatron: policy-loss head, gradient accumulation over token-budget
-micro-batches through Megatron's schedules, DDP gradient reduction, clipping and the optimizer step.
+"""One optimizer step per mini-batch on Megatron: policy-loss head (PPO, or supervised NLL, chosen by
+``LossSettings.policy_loss``), gradient accumulation over token-budget micro-batches through Megatron's
+schedules, DDP gradient reduction, clipping and the optimizer step.
 
 Loss normalisation (why the scale factors): ``algo.losses.compute_actor_loss`` aggregates a micro-batch by
 its ``loss_agg_mode`` (a mean over tokens or over sequences). The mini-batch objective is the same mean over
@@ -35,6 +36,7 @@ __all__ = ["RowData", "MiniBatchPlan", "train_mini_batch", "METRIC_KEYS"]
 _METRIC_WEIGHTS = {
     "loss": "agg",
     "pg_loss": "agg",
+    "nll": "agg",
     "entropy": "agg",
     "kl_loss": "agg",
     "pg_clipfrac": "token",
@@ -109,7 +111,7 @@ def _policy_loss_head(
         old,
         advantages,
         mask,
-        policy_loss="vanilla",
+        policy_loss=loss.policy_loss,
         clip_ratio_low=loss.clip_ratio_low,
         clip_ratio_high=loss.clip_ratio_high,
         clip_ratio_c=loss.clip_ratio_c,
@@ -175,8 +177,9 @@ def train_mini_batch(
         device: compute device of this rank.
 
     Returns:
-        ``{"loss", "pg_loss", "entropy", "kl_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl",
-        "grad_norm", "lr", "update_skipped"}`` as floats, identical on every rank (mini-batch means).
+        ``{"loss", "entropy", "kl_loss", "grad_norm", "lr", "update_skipped"}`` plus the policy loss's metrics
+        (``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` for ``vanilla``; ``nll`` for ``nll``)
+        as floats, identical on every rank (mini-batch means).
     """
     if not plan.micro_batches:
         raise ValueError("train_mini_batch: this data-parallel rank has no micro-batch")

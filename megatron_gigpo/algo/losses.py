@@ -1,4 +1,4 @@
-"""Policy losses: PPO clipped surrogate (dual clip), KL penalties, entropy and loss aggregation.
+"""Policy losses: PPO clipped surrogate (dual clip), supervised NLL, KL penalties, entropy and loss aggregation.
 
 All tensors are token level, ``(B, T)`` float32, aligned with a ``response_mask`` of the same shape (1 on
 response tokens that count, 0 on padding). Names follow verl's ``core_algos`` vocabulary
@@ -10,6 +10,7 @@ Sources:
   from DAPO, arXiv 2503.14476, Eq. 10.
 - Dual clip: Ye et al. 2020, arXiv 1912.09729, Eq. 5 (lower bound ``c * A`` for negative advantages).
 - KL estimators k1/k2/k3: J. Schulman, "Approximating KL divergence" (2020); k3 is verl's ``low_var_kl``.
+- ``nll``: the token-level cross-entropy of supervised fine-tuning (the cold-start stage, :mod:`megatron_gigpo.sft`).
 """
 
 from __future__ import annotations
@@ -184,6 +185,43 @@ def compute_policy_loss(
         "ppo_kl": ppo_kl.detach(),
     }
     return loss, metrics
+
+
+@register_policy_loss("nll")
+def compute_nll_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.0,
+    clip_ratio_high: float = 0.0,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Negative log-likelihood of the response tokens: supervised fine-tuning on demonstrations.
+
+    Per token ``L = -log_prob``, aggregated by ``loss_agg_mode`` over the response mask (prompt tokens never
+    enter: the actor computes log-probs of response tokens only). The registry's common signature is kept
+    so the actor's loss head can select this loss by name; ``old_log_prob``, ``advantages`` and the clip
+    settings are accepted and not used.
+
+    Args:
+        log_prob: (B, T) float32, current policy log-probs of the target tokens.
+        old_log_prob, advantages: (B, T), ignored (shape-checked only).
+        response_mask: (B, T) bool or {0, 1}.
+        clip_ratio_low, clip_ratio_high, clip_ratio_c: ignored.
+        loss_agg_mode: see :func:`agg_loss`.
+    Returns:
+        ``(loss, metrics)``; metrics: ``nll`` (the aggregated loss, detached).
+    Raises:
+        ValueError: shapes differ or an unknown agg mode.
+    """
+    _check_same_shape(
+        log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages, response_mask=response_mask
+    )
+    loss = agg_loss(-log_prob, response_mask.to(log_prob.dtype), loss_agg_mode)
+    return loss, {"nll": loss.detach()}
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_type: str) -> torch.Tensor:

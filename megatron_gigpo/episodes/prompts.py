@@ -148,6 +148,27 @@ def _progress_note(layout: PromptLayout, step: int, first_shown: int, shown: int
     return note
 
 
+def encode_chat_prompt(
+    tokenizer: Any, messages: Sequence[dict[str, str]], chat_template_kwargs: dict[str, Any] | None = None
+) -> list[int]:
+    """Token ids of the chat-template render of ``messages`` with the generation prompt appended.
+
+    The one place a prompt becomes tokens: rollouts (:meth:`PromptRenderer.encode_messages`) and supervised
+    demonstrations (:mod:`megatron_gigpo.sft.data`) both call it, so the policy is trained on exactly the
+    token layout it is prompted with. The template's text already contains its special tokens, so it is
+    encoded without adding more.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        messages: ``[{"role": ..., "content": ...}, ...]``.
+        chat_template_kwargs: extra ``apply_chat_template`` arguments (e.g. ``{"enable_thinking": False}``).
+    """
+    text = tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 class PromptRenderer:
     """Builds and tokenizes per-step prompts for one environment.
 
@@ -250,14 +271,9 @@ class PromptRenderer:
         return layout.current_observation.format(step=number, observation=observation)
 
     def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of the chat-template render of ``messages`` with the generation prompt appended.
-
-        The template's text already contains its special tokens, so it is encoded without adding more.
-        """
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **self.chat_template_kwargs
-        )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """Token ids of the chat-template render of ``messages`` with the generation prompt appended
+        (:func:`encode_chat_prompt`)."""
+        return encode_chat_prompt(self.tokenizer, messages, self.chat_template_kwargs)
 
     def render(
         self,

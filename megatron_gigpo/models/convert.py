@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_gigpo.models.builder import build_gpt_model, load_hf_config
+from megatron_gigpo.models.builder import build_gpt_model, load_hf_config, unwrap_gpt_model
 from megatron_gigpo.models.checkpoint import (
     HF_SUBDIR,
     copy_hf_sidecar_files,
@@ -33,7 +33,13 @@ from megatron_gigpo.models.checkpoint import (
 )
 from megatron_gigpo.models.weights import export_hf_weights, load_hf_weights
 
-__all__ = ["convert_hf_to_megatron", "convert_megatron_to_hf", "main_hf_to_megatron", "main_megatron_to_hf"]
+__all__ = [
+    "convert_hf_to_megatron",
+    "convert_megatron_to_hf",
+    "write_hf_model",
+    "main_hf_to_megatron",
+    "main_megatron_to_hf",
+]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -87,6 +93,17 @@ def _write_shards(buckets, staging: Path) -> None:
     (staging / "model.safetensors.index.json").write_text(json.dumps(index_doc, indent=2) + "\n")
 
 
+def _declare_dtype(config_file: Path, dtype: torch.dtype) -> None:
+    """Make ``config.json`` declare the dtype its weights were written in (left byte-identical when it does)."""
+    name = str(dtype).removeprefix("torch.")
+    doc = json.loads(config_file.read_text())
+    keys = [k for k in ("dtype", "torch_dtype") if k in doc] or ["dtype"]
+    if all(doc.get(k) == name for k in keys):
+        return
+    doc.update({k: name for k in keys})
+    config_file.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
 def convert_megatron_to_hf(
     megatron_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -115,7 +132,40 @@ def convert_megatron_to_hf(
     params_dtype = _DTYPES[metadata["params_dtype"]] if metadata else _hf_params_dtype(hf_config)
     model = build_gpt_model(hf_config, params_dtype=params_dtype)
     load_megatron_checkpoint(model, megatron_dir, prefix=prefix)
+    write_hf_model(model, out_dir, hf_config_dir=hf_config_dir, max_shard_bytes=max_shard_bytes, dtype=dtype)
+
+
+def write_hf_model(
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+    out_dir: str | os.PathLike,
+    *,
+    hf_config_dir: str | os.PathLike,
+    max_shard_bytes: int = 5 * 10**9,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Write a live Megatron model (any TP/PP layout) as an HF model directory; collective over all ranks.
+
+    Tensors are gathered bucket by bucket (``max_shard_bytes``) to global rank 0
+    (:func:`~megatron_gigpo.models.weights.export_hf_weights`), which writes ``model.safetensors`` (or
+    ``model-0000k-of-0000n.safetensors`` + index) and copies the config, generation config and tokenizer
+    files of ``hf_config_dir``. The directory appears atomically (staged as ``<out_dir>.incomplete``).
+
+    Args:
+        model: GPTModel (or wrapper, or VPP chunk list) of this rank.
+        out_dir: output directory; must not exist or be empty.
+        hf_config_dir: HF directory whose non-weight files describe the model (config, tokenizer).
+        max_shard_bytes: safetensors shard budget in bytes.
+        dtype: export dtype (default: the model's ``params_dtype``); ``config.json`` is made to declare it.
+
+    Raises:
+        FileExistsError: ``out_dir`` exists and is not empty.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"output directory {out_dir} exists and is not empty")
     staging = out_dir.with_name(out_dir.name + ".incomplete")
+    first = model[0] if isinstance(model, (list, tuple)) else model
+    dtype = dtype or unwrap_gpt_model(first).config.params_dtype
     rank0 = dist.get_rank() == 0
     if rank0:
         shutil.rmtree(staging, ignore_errors=True)
@@ -124,6 +174,7 @@ def convert_megatron_to_hf(
     if rank0:
         _write_shards(buckets, staging)
         copy_hf_sidecar_files(hf_config_dir, staging)
+        _declare_dtype(staging / "config.json", dtype)
         if out_dir.exists():
             out_dir.rmdir()
         os.replace(staging, out_dir)

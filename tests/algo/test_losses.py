@@ -158,3 +158,35 @@ def test_bad_inputs_are_named():
     with pytest.raises(KeyError, match="unknown policy loss 'gspo'"):
         get_policy_loss("gspo")
     assert POLICY_LOSSES["vanilla"] is compute_policy_loss
+
+
+def test_nll_loss_against_hand_computation():
+    log_prob = torch.tensor([[-0.5, -2.0, -1.0], [-3.0, -0.25, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    unused = torch.full_like(log_prob, 7.0)  # old log-probs and advantages do not enter the NLL
+    nll = get_policy_loss("nll")
+    loss, metrics = nll(log_prob, unused, unused, mask, loss_agg_mode="token-mean")
+    assert loss.item() == pytest.approx((0.5 + 2.0 + 1.0 + 3.0 + 0.25) / 5)
+    assert metrics["nll"].item() == pytest.approx(loss.item())
+    loss, _ = nll(log_prob, unused, unused, mask, loss_agg_mode="seq-mean-token-sum")
+    assert loss.item() == pytest.approx((3.5 + 3.25) / 2)
+    loss, _ = nll(log_prob, unused, unused, mask, loss_agg_mode="seq-mean-token-mean")
+    assert loss.item() == pytest.approx((3.5 / 3 + 3.25 / 2) / 2)
+    # Through the actor's full objective, selected by name: the gradient is -mask / tokens on every token.
+    lp = log_prob.clone().requires_grad_(True)
+    total, metrics = compute_actor_loss(
+        lp, unused, unused, mask, policy_loss="nll", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
+        loss_agg_mode="token-mean", entropy=None, entropy_coeff=0.0, ref_log_prob=None, kl_loss_type="k1",
+        kl_loss_coef=0.0,
+    )
+    total.backward()
+    assert torch.allclose(lp.grad, -mask.float() / 5)
+    assert set(metrics) == {"nll"}
+
+
+def test_actor_config_refuses_an_unknown_policy_loss():
+    from megatron_gigpo.actor.config import ActorConfig, LossSettings
+
+    ActorConfig(model_path="m", loss=LossSettings(policy_loss="nll")).validate()
+    with pytest.raises(ValueError, match=r"loss.policy_loss='sft' not in \[.*'nll'.*'vanilla'.*\]"):
+        ActorConfig(model_path="m", loss=LossSettings(policy_loss="sft")).validate()
