@@ -31,6 +31,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from megatron_gigpo.actor.checkpoint import latest_checkpoint
     from megatron_gigpo.config import load_config
     from megatron_gigpo.driver import train
+    from megatron_gigpo.sft.cold_start import cold_start
+    from megatron_gigpo.sft.data import SFTDataError
 
     cfg = load_config(args.recipe, args.overrides)
     found = latest_checkpoint(cfg.checkpoint_root) if cfg.checkpoint.resume else None
@@ -39,6 +41,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"megatron-gigpo: nothing to train: {found[1]} is iteration {found[0]} and "
               f"trainer.total_iterations={cfg.trainer.total_iterations}; raise it to train further")
         return 0
+    try:
+        cfg = cold_start(cfg)  # sft.enabled: demonstrations and SFT first (each skipped once done)
+    except SFTDataError as exc:
+        print(f"megatron-gigpo: {exc}", file=sys.stderr)
+        return 2
     train(cfg)
     return 0
 
@@ -46,11 +53,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_sft(args: argparse.Namespace) -> int:
     from megatron_gigpo.config import load_config
     from megatron_gigpo.sft.data import SFTDataError
+    from megatron_gigpo.sft.cold_start import with_sft_data
     from megatron_gigpo.sft.trainer import run_sft
 
     cfg = load_config(args.recipe, args.overrides)
     try:
-        run_sft(cfg)
+        run_sft(with_sft_data(cfg))  # sft.train_file null: the expert's demonstrations (sft.demos)
     except SFTDataError as exc:
         print(f"megatron-gigpo: {exc}", file=sys.stderr)
         return 2
@@ -81,7 +89,10 @@ def _cmd_demos(args: argparse.Namespace) -> int:
     from megatron_gigpo.demos import write_demos
 
     cfg = load_config(args.recipe, args.overrides)
-    stats = write_demos(cfg, args.out, args.num_episodes, args.epsilon, args.seed, reasoning=args.reasoning)
+    d = cfg.sft.demos  # the recipe's values, unless a flag overrides them
+    stats = write_demos(cfg, args.out, d.num_episodes if args.num_episodes is None else args.num_episodes,
+                        d.epsilon if args.epsilon is None else args.epsilon, d.seed if args.seed is None else args.seed,
+                        reasoning=args.reasoning or d.reasoning)
     print(
         f"megatron-gigpo: wrote {stats.rows} rows of {stats.episodes} {cfg.env.name} episodes to {args.out} "
         f"(success rate {stats.success_rate:.3f}, mean steps {stats.mean_steps:.2f}, random share "
@@ -129,12 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     va.set_defaults(func=_cmd_validate)
     de = recipe_cmd("demos", "write expert demonstrations (chat JSONL) for a supervised cold start")
     de.add_argument("--out", required=True, help="JSONL file to write (atomically)")
-    de.add_argument("--num-episodes", type=int, default=1000, help="training tasks to play (default 1000)")
-    de.add_argument("--epsilon", type=float, default=0.0,
-                    help="share of steps taking a uniformly random admissible action instead (default 0)")
-    de.add_argument("--reasoning", choices=["plan", "none"], default="plan",
-                    help="think-block text: the expert's short plan, or empty (default plan)")
-    de.add_argument("--seed", type=int, default=0, help="task order, resets and epsilon draws (default 0)")
+    de.add_argument("--num-episodes", type=int, help="training tasks to play (default: sft.demos.num_episodes)")
+    de.add_argument("--epsilon", type=float,
+                    help="share of steps taking a uniformly random admissible action instead (default: sft.demos.epsilon)")
+    de.add_argument("--reasoning", choices=["plan", "none"],
+                    help="think-block text: the expert's short plan, or empty (default: sft.demos.reasoning)")
+    de.add_argument("--seed", type=int, help="task order, resets and epsilon draws (default: sft.demos.seed)")
     de.set_defaults(func=_cmd_demos)
     pl = sub.add_parser("plot", help="write PNG curves of a run")
     pl.add_argument("run_dir")

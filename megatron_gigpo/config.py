@@ -232,6 +232,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class DemosConfig:
+    """Expert demonstrations written for the cold start when ``sft.train_file`` is null
+    (:func:`megatron_gigpo.demos.write_demos`; ``megatron-gigpo demos`` takes the same values as defaults)."""
+
+    num_episodes: int = 1000  # training tasks played by the environment's expert
+    epsilon: float = 0.0  # share of steps taking a uniformly random admissible action instead (RL headroom)
+    reasoning: str = "plan"  # plan | none: the expert's short plan in <think>, or an empty <think>
+    seed: int = 0  # task order, resets and epsilon draws
+
+
+@dataclass
 class SFTConfig:
     """Supervised cold start (``megatron-gigpo sft``, :mod:`megatron_gigpo.sft`): NLL on the assistant targets
     of JSONL demonstrations, on the same Megatron actor as RL. Model, parallel layout, device, micro-batch
@@ -239,7 +250,13 @@ class SFTConfig:
     ``trainer`` and ``optim``. Writes ``<run dir>/sft/``: metrics, ``checkpoints/`` and ``hf/`` (the trained
     model; an RL recipe reads it as ``model.path``)."""
 
-    train_file: str | None = None  # JSONL rows {"messages": [{"role", "content"}, ...]}, last = assistant target
+    # true: `megatron-gigpo train` runs this stage first (skipped once <run dir>/sft/hf exists) and starts RL from
+    # its result; false: the stage runs only through `megatron-gigpo sft`.
+    enabled: bool = False
+    # JSONL rows {"messages": [{"role", "content"}, ...]}, last = assistant target; null: expert demonstrations
+    # (`demos` below) written to <run dir>/sft/demos.jsonl
+    train_file: str | None = None
+    demos: DemosConfig = field(default_factory=DemosConfig)
     val_file: str | None = None  # held-out rows (same format); null: val_fraction of train_file
     val_fraction: float = 0.05  # share of train_file held out (seeded) when val_file is null; 0: none
     epochs: int = 3
@@ -499,6 +516,7 @@ CHOICES = {
     "rollout.prompt_overflow": PROMPT_OVERFLOW_POLICIES,
     "optim.lr_decay_style": ("constant", "linear", "cosine"),
     "sft.lr_decay_style": ("constant", "linear", "cosine"),
+    "sft.demos.reasoning": ("plan", "none"),  # = megatron_gigpo.demos.REASONING_MODES
     "sft.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "trainer.device": ("cuda", "cpu"),
     "model.dtype": ("float32", "bfloat16", "float16"),
@@ -664,6 +682,10 @@ def _sft_errors(s: SFTConfig, dp: int) -> list[str]:
         errors.append(f"sft.val_fraction={s.val_fraction} must be in [0, 1)")
     if s.max_length < 2:
         errors.append(f"sft.max_length={s.max_length} must be >= 2 (a prompt token and the end token)")
+    if s.demos.num_episodes < 1:
+        errors.append(f"sft.demos.num_episodes={s.demos.num_episodes} must be >= 1")
+    if not 0.0 <= s.demos.epsilon <= 1.0:
+        errors.append(f"sft.demos.epsilon={s.demos.epsilon} must be in [0, 1]")
     errors += [f"sft.{k}={v} must be >= 0" for k, v in (("lr_warmup_steps", s.lr_warmup_steps),
                                                           ("save_every", s.save_every), ("seed", s.seed)) if v < 0]
     return errors

@@ -1,0 +1,78 @@
+"""The cold start in front of RL: expert demonstrations, then supervised fine-tuning, then GiGPO from its result.
+
+With ``sft.enabled: true``, ``megatron-gigpo train`` calls :func:`cold_start` first:
+
+1. demonstrations: when ``sft.train_file`` is null, the environment's expert plays ``sft.demos.num_episodes``
+   training tasks through the RL step prompts (:func:`megatron_gigpo.demos.write_demos`) into
+   ``<run dir>/sft/demos.jsonl`` (kept, and reused by a re-run);
+2. the SFT stage (:func:`megatron_gigpo.sft.trainer.run_sft`) trains the recipe's model on them and exports
+   ``<run dir>/sft/hf`` (skipped when that exists: a finished stage);
+3. RL starts from that export: the returned config's ``model.path`` is it (``model.init: pretrained``).
+
+Each step is skipped once its output exists, so an interrupted ``train`` resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from megatron_gigpo.config import Config
+
+__all__ = ["cold_start", "demos_path", "with_sft_data"]
+
+log = logging.getLogger(__name__)
+
+
+def demos_path(cfg: Config) -> Path:
+    """``<run dir>/sft/demos.jsonl``: where generated demonstrations go."""
+    from megatron_gigpo.sft.trainer import sft_dir
+
+    return sft_dir(cfg) / "demos.jsonl"
+
+
+def with_sft_data(cfg: Config) -> Config:
+    """``cfg`` with ``sft.train_file`` set: the recipe's own file, or expert demonstrations written on first use.
+
+    Raises:
+        ConfigError: no expert exists for ``env.name`` (and no ``sft.train_file`` was given).
+    """
+    if cfg.sft.train_file:
+        return cfg
+    path = demos_path(cfg)
+    if path.is_file():
+        log.info("cold start: reusing the demonstrations in %s", path)
+    else:
+        from megatron_gigpo.demos import write_demos
+
+        d = cfg.sft.demos
+        stats = write_demos(cfg, path, d.num_episodes, d.epsilon, d.seed, reasoning=d.reasoning)
+        log.info("cold start: %d demonstration rows of %d %s episodes (expert success %.3f, random share %.3f) "
+                 "in %s", stats.rows, stats.episodes, cfg.env.name, stats.success_rate, stats.random_share, path)
+    return dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, train_file=str(path)))
+
+
+def cold_start(cfg: Config) -> Config:
+    """Run the cold start of ``cfg`` if ``sft.enabled`` (see the module docstring); return the RL config.
+
+    Returns:
+        ``cfg`` unchanged when ``sft.enabled`` is false; else ``cfg`` whose ``model.path`` is the SFT export
+        (absolute) and ``model.init`` is ``pretrained``.
+
+    Raises:
+        ConfigError, SFTDataError, PreflightError: as :func:`with_sft_data` and ``run_sft``.
+    """
+    if not cfg.sft.enabled:
+        return cfg
+    from megatron_gigpo.sft.trainer import finished_model, run_sft
+
+    model = finished_model(cfg)
+    if model is None:
+        run_sft(with_sft_data(cfg))
+        model = finished_model(cfg)
+        if model is None:  # run_sft exports atomically at its end; anything else is a bug
+            raise RuntimeError(f"the SFT stage ended without its export in {cfg.run_dir / 'sft'}")
+    else:
+        log.info("cold start: SFT finished earlier; RL starts from %s", model)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model.resolve()), init="pretrained"))
