@@ -4,6 +4,14 @@
 #   bash scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The reference-parity, ALFWorld and search-QA data tests read ../shared; without it they would skip and the
+# suite would pass without them.
+shared_dir="$(cd .. && pwd)/shared"
+if [[ ! -d "$shared_dir" ]]; then
+  echo "scripts/test.sh: the shared data folder $shared_dir (../shared beside the checkout) is missing;" \
+    "the reference-parity, ALFWorld and search-QA tests need it" >&2
+  exit 2
+fi
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0
 export MEGATRON_GIGPO_SERVICES_DIR=${MEGATRON_GIGPO_SERVICES_DIR:-$(mktemp -d /tmp/megatron-gigpo-services.XXXXXX)}

@@ -1,5 +1,11 @@
-"""Shared pytest configuration: GPU tests are skipped unless CUDA is present."""
+"""Shared pytest configuration: GPU tests are skipped unless CUDA is present; the ../shared data folder.
 
+Tests that read ../shared skip when it (or a file they need in it) is missing, so that a checkout without it
+still runs the rest; with ``CI=true`` (as on CI, and as the Slurm tests read it) they fail instead, so a CI
+run without its data cannot pass. ``scripts/test.sh`` refuses to start without the folder.
+"""
+
+import os
 from pathlib import Path
 
 import pytest
@@ -17,9 +23,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def shared_missing(message: str) -> None:
+    """Skip the test, or fail it under ``CI=true``, because shared data is missing."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{message} (CI=true: the shared data is required)")
+    pytest.skip(message)
+
+
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:
     """The read-only ../shared folder beside the checkout (data and fixtures for tests)."""
     if not SHARED.is_dir():
-        pytest.skip(f"shared data folder not found at {SHARED}")
+        shared_missing(f"shared data folder not found at {SHARED}")
     return SHARED
+
+
+@pytest.fixture(scope="session")
+def shared_path(shared_dir):
+    """``shared_path("data/alfworld/...")``: that path inside ../shared; skips (fails under CI=true) when it
+    does not exist."""
+
+    def get(relative: str) -> Path:
+        path = shared_dir / relative
+        if not path.exists():
+            shared_missing(f"shared file {path} not found")
+        return path
+
+    return get

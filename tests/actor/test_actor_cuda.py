@@ -19,8 +19,10 @@ from tiny_models import make_tiny_hf_model
 pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
 
 #: bf16 log-probs of the tiny random model against fp32 HF: 8-bit mantissas through 2 layers. Measured
-#: 9.9e-2 on an H200 (2026-11-30, torch 2.11, scripts/device_check.sh); the test prints it, 2x margin here.
-BF16_LOG_PROB_ATOL = 0.2
+#: max 9.9e-2 on an H200 (2026-11-30, torch 2.11, scripts/device_check.sh; the test prints it). Bound: the
+#: measurement + 25% for other GPUs' / cuBLAS versions' bf16 kernels (reduction order, split-K), not 2x,
+#: which would let a doubled bf16 error through.
+BF16_LOG_PROB_ATOL = 0.125
 
 
 def _cuda_rank(rank: int, world_size: int, model_dir) -> dict:
@@ -66,7 +68,7 @@ def cuda_run(model_dir):
 
 
 def _max_diff(a, b) -> float:
-    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
 
 
 def test_actor_runs_on_cuda_with_nccl(cuda_run):

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from tb_events import tensorboard_scalars
 
 from megatron_gigpo.cli import main
 from megatron_gigpo.config import load_config
@@ -27,7 +28,12 @@ def test_logger_writes_jsonl_tensorboard_and_plots(tmp_path, capsys):
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [0, 1, 2]
     assert records[2]["episode/sokoban/success_rate"] == 0.9
-    assert list((tmp_path / "tensorboard").iterdir())
+    # TensorBoard shows the same values: the resumed writer purged the first run's step 2.
+    scalars = tensorboard_scalars(tmp_path / "tensorboard")
+    success = scalars["episode/sokoban/success_rate"]
+    assert [step for step, _ in success] == [0, 1, 2]
+    assert [value for _, value in success] == pytest.approx([0.0, 0.1, 0.9])
+    assert scalars["step_group/hist_2-4"] == [(0, 1.0), (1, 2.0)]  # not re-logged at step 2
     assert main(["plot", str(tmp_path)]) == 0
     for name in ("success_rate.png", "reward.png", "step_group_sizes.png"):
         png = tmp_path / "plots" / name

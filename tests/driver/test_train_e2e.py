@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tb_events import tensorboard_scalars
 
 from megatron_gigpo.actor.checkpoint import complete_checkpoints
 from megatron_gigpo.metrics import read_metrics
@@ -44,8 +45,13 @@ def test_train_two_iterations_and_resume(tiny_qwen2, tmp_path):
     run = tmp_path / "full"
     records = read_metrics(run)
     assert [r["step"] for r in records] == [1, 2]
-    assert (run / "config.yaml").is_file() and list((run / "tensorboard").iterdir())
+    assert (run / "config.yaml").is_file()
     first, second = records
+    # TensorBoard holds the same scalars as metrics.jsonl (float32 there).
+    scalars = tensorboard_scalars(run / "tensorboard")
+    for key in ("actor/grad_norm", "episode/return_mean"):
+        assert [step for step, _ in scalars[key]] == [1, 2], (key, scalars[key])
+        assert [value for _, value in scalars[key]] == pytest.approx([first[key], second[key]], rel=1e-6), key
     # The update changed the weights, the engine received them (new checksum) and then sampled from them:
     # at iteration 2 vLLM's log-probs equal the updated actor's on the same tokens.
     assert first["actor/grad_norm"] > 0
@@ -65,6 +71,8 @@ def test_train_two_iterations_and_resume(tiny_qwen2, tmp_path):
     _run("train", tiny_qwen2, tmp_path, "resumed")
     again = read_metrics(resumed)
     assert [r["step"] for r in again] == [2]
+    (resumed_loss,) = tensorboard_scalars(resumed / "tensorboard")["actor/pg_loss"]
+    assert resumed_loss == (2, pytest.approx(second["actor/pg_loss"], rel=1e-6))
     for key in ("actor/pg_loss", "actor/loss", "episode/return_mean", "weight_sync/checksum_fp"):
         assert again[0][key] == second[key], (key, again[0][key], second[key])
 

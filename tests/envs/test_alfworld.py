@@ -12,11 +12,9 @@ GAME = "valid_seen/pick_and_place_simple-Book-None-Sofa-229/trial_T20190907_0428
 
 
 @pytest.fixture(scope="module")
-def data_dir(shared_dir):
-    path = shared_dir / "data" / "alfworld"
-    if not (path / GAME).is_file():
-        pytest.skip(f"shared ALFWorld game {GAME} not found")
-    return path
+def data_dir(shared_path):
+    shared_path(f"data/alfworld/{GAME}")  # skips, or fails under CI=true, when the game is missing
+    return shared_path("data/alfworld")
 
 
 @pytest.mark.unit

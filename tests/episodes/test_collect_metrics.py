@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from megatron_gigpo.envs.base import Task
-from megatron_gigpo.episodes.collector import reset_seed
+from megatron_gigpo.episodes.collector import reset_seed, step_sampling
 from megatron_gigpo.episodes.metrics import (
     EpisodeSummary,
     episode_metrics,
@@ -14,6 +14,7 @@ from megatron_gigpo.episodes.metrics import (
     step_group_metrics,
     step_group_sizes,
 )
+from megatron_gigpo.rollout.engine import SamplingConfig
 
 pytestmark = pytest.mark.unit
 
@@ -98,5 +99,19 @@ def test_reset_seeds_shared_by_group_and_deterministic():
     # Training: a fresh seed per iteration and group, reproducible from the base seed.
     train = {reset_seed(3, task, g, it, validation=False) for g in range(4) for it in range(4)}
     assert len(train) == 16
-    assert reset_seed(3, task, 1, 2, validation=False) == reset_seed(3, task, 1, 2, validation=False)
     assert all(0 <= s < 2**31 for s in train)
+    # Reproducible across processes and Python versions: fixed values (the first 4 bytes of SHA-256 of
+    # "val/3/17", "val/3/18", "train/3/2/1/17", little-endian, top bit cleared). Python's salted hash() would
+    # give other values in every process.
+    assert reset_seed(3, task, 0, 0, validation=True) == 1409738413
+    assert reset_seed(3, other, 0, 0, validation=True) == 1034557869
+    assert reset_seed(3, task, 1, 2, validation=False) == 1049791678
+
+
+def test_step_sampling_seed_is_a_fixed_value():
+    sampling = SamplingConfig(temperature=1.0, max_tokens=8, seed=7)
+    # The first 4 bytes of SHA-256 of "train/7/0/3" / "val/7/0/3", little-endian, shifted right by 2.
+    assert step_sampling(sampling, iteration=0, step=3, validation=False).seed == 366516508
+    assert step_sampling(sampling, iteration=0, step=3, validation=True).seed == 933159912
+    greedy = SamplingConfig.greedy(max_tokens=8)
+    assert step_sampling(greedy, iteration=0, step=3, validation=False) is greedy

@@ -147,3 +147,16 @@ class StateDictRank:
             size += nbytes
         buckets.append(current)
         return push_weights(iter(buckets), plan)
+
+    def release_sender_resources(self) -> None:
+        """Drop this process's shm bucket pool (the next reusing sync starts a new one)."""
+        from megatron_gigpo.rollout.weight_sync import release_sender_resources
+
+        release_sender_resources()
+
+    def shm_pool_files(self) -> list[str]:
+        """Sorted paths of the files in this process's shm bucket pool (empty without a pool). Reads the
+        pool's internals: the product has no reason to list them."""
+        from megatron_gigpo.rollout import weight_sync
+
+        return sorted(b.path for pool in weight_sync._SHM_POOL for b in pool._free + pool._busy)

@@ -77,10 +77,11 @@ def test_seeded_sampling_does_not_depend_on_the_data_parallel_split(group, ray_s
 def test_log_probs_match_transformers_and_generation(group, tiny_qwen_dir, base_weights):
     prompts = random_prompts(3, seed=2)
     greedy = group.generate(prompts, SamplingConfig.greedy(max_tokens=6))
-    sequences = [p + r.response_ids for p, r in zip(prompts, greedy)]
+    sequences = [p + r.response_ids for p, r in zip(prompts, greedy, strict=True)]
     engine = group.compute_log_probs(sequences)
+    assert [len(row) for row in engine] == [len(seq) - 1 for seq in sequences]  # every row, from every engine
     reference = hf_log_probs(tiny_qwen_dir, base_weights, sequences)
-    for prompt, result, got, ref in zip(prompts, greedy, engine, reference):
+    for prompt, result, got, ref in zip(prompts, greedy, engine, reference, strict=True):
         torch.testing.assert_close(torch.tensor(got), ref, atol=ATOL_FP32, rtol=0)
         # The sampled-token log-probs of generate() are the same quantities.
         torch.testing.assert_close(torch.tensor(result.log_probs), ref[len(prompt) - 1 :], atol=ATOL_FP32, rtol=0)
@@ -101,26 +102,52 @@ def _scaled(weights: dict[str, torch.Tensor], factor: float) -> dict[str, torch.
     return {n: (t * factor if "norm" not in n else t) for n, t in weights.items()}
 
 
-@pytest.mark.parametrize("transport,bucket,reuse_shm", [
-    pytest.param("shm", 1, True, id="shm-new-pool"),
-    pytest.param("shm", 1, True, id="shm-reused-pool"),
-    pytest.param("shm", 40_000, False, id="shm-one-off-files"),
-    pytest.param("broadcast", 40_000, True, id="broadcast"),
-])
-def test_sync_from_state_dict_serves_new_weights(group, sender, ray_session, tiny_qwen_dir, base_weights,
-                                                 transport, bucket, reuse_shm):
+def _push(group, sender, ray_session, weights, transport: str, bucket: int, reuse_shm: bool = True):
+    """One sync of ``weights`` (HF state dict) from the stand-in sender; returns ``(version, report)``."""
     version = 1 + max(v for v, _ in group.weights_version())
-    new = _scaled(base_weights, 1.3 + 0.1 * version)
     plan = prepare_sync(group, version=version, bucket_size_bytes=bucket, transport=transport)
     plan = dataclasses.replace(plan, reuse_shm=reuse_shm)
-    report = ray_session.get(sender.push_weights.remote(plan, new))
+    return version, ray_session.get(sender.push_weights.remote(plan, weights))
+
+
+@pytest.mark.parametrize("transport,bucket,reuse_shm,pool", [
+    pytest.param("shm", 1, True, "new", id="shm-new-pool"),
+    pytest.param("shm", 1, True, "reused", id="shm-reused-pool"),
+    pytest.param("shm", 40_000, False, "untouched", id="shm-one-off-files"),
+    pytest.param("broadcast", 40_000, True, "untouched", id="broadcast"),
+])
+def test_sync_from_state_dict_serves_new_weights(group, sender, ray_session, tiny_qwen_dir, base_weights,
+                                                 transport, bucket, reuse_shm, pool):
+    # Each case sets up the sender's shm bucket pool it claims (whatever ran before it).
+    if pool == "new":
+        ray_session.get(sender.release_sender_resources.remote())
+    elif pool == "reused":  # an earlier sync of other weights left its files in the pool
+        _push(group, sender, ray_session, _scaled(base_weights, 1.1), "shm", bucket)
+    files_before = ray_session.get(sender.shm_pool_files.remote())
+    version = 1 + max(v for v, _ in group.weights_version())
+    new = _scaled(base_weights, 1.3 + 0.1 * version)
+    sequences = random_prompts(3, seed=5)
+    reference = hf_log_probs(tiny_qwen_dir, new, sequences)
+    # The engines serve other weights before the sync: matching the reference afterwards needs the new ones.
+    stale = group.compute_log_probs(sequences)
+    assert max(float((torch.tensor(s) - r).abs().max()) for s, r in zip(stale, reference, strict=True)) > 0.1
+
+    pushed, report = _push(group, sender, ray_session, new, transport, bucket, reuse_shm)
+    assert pushed == version
     expected = weights_checksum(new.items(), torch.float32)
     assert report.checksum == expected
     assert report.num_tensors == len(new) and (bucket > 1 or report.num_buckets == len(new))
     assert group.weights_version() == [(version, expected)] * 2
-    sequences = random_prompts(3, seed=5)
-    for got, ref in zip(group.compute_log_probs(sequences), hf_log_probs(tiny_qwen_dir, new, sequences)):
-        torch.testing.assert_close(torch.tensor(got), ref, atol=ATOL_FP32, rtol=0)
+    files_after = ray_session.get(sender.shm_pool_files.remote())
+    if pool == "new":  # one file per bucket, kept for the next sync
+        assert files_before == [] and len(files_after) == report.num_buckets
+    elif pool == "reused":  # the same files again, none added
+        assert len(files_before) == report.num_buckets and files_after == files_before
+    else:  # one-off files and broadcast leave the pool alone
+        assert files_after == files_before
+    got = group.compute_log_probs(sequences)
+    for row, ref in zip(got, reference, strict=True):
+        torch.testing.assert_close(torch.tensor(row), ref, atol=ATOL_FP32, rtol=0)
 
 
 def _shm_desc(named: list[tuple[str, torch.Tensor]]) -> tuple[dict, SharedMemoryBucket]:

@@ -1,6 +1,6 @@
 """GPU paths of the rollout engine (skipped without CUDA): sleep / wake-up around training, colocated sync
-through CUDA IPC handles and disaggregated sync through an NCCL broadcast, both checked against the HF
-state dict that was pushed (fp32 engine, atol 1e-3)."""
+through CUDA IPC handles and disaggregated sync through an NCCL broadcast, each pushing other weights than
+the engine holds and checked against the HF state dict that was pushed (fp32 engine, atol 1e-3)."""
 
 from __future__ import annotations
 
@@ -32,16 +32,26 @@ def gpu_sender(ray_session):
     ray_session.kill(actor)
 
 
+def _max_diff(got: list[list[float]], reference: list[torch.Tensor]) -> float:
+    return max(float((torch.tensor(g) - r).abs().max()) for g, r in zip(got, reference, strict=True))
+
+
 def test_sleep_then_sync_then_wake(gpu_group, gpu_sender, ray_session, tiny_qwen_dir):
-    weights = {n: t * 1.2 for n, t in load_file(str(tiny_qwen_dir / "model.safetensors")).items()}
-    cuda_weights = {n: t.cuda() for n, t in weights.items()}
-    gpu_group.sleep()
-    for version, transport in [(1, "cuda_ipc"), (2, "broadcast")]:
-        plan = prepare_sync(gpu_group, version=version, bucket_size_bytes=1 << 16, transport=transport)
-        report = ray_session.get(gpu_sender.push_weights.remote(plan, cuda_weights))
-        assert report.checksum == weights_checksum(weights.items(), torch.float32)
-    gpu_group.wake_up()
+    base = load_file(str(tiny_qwen_dir / "model.safetensors"))
     sequences = random_prompts(3, seed=40)
-    for got, ref in zip(gpu_group.compute_log_probs(sequences), hf_log_probs(tiny_qwen_dir, weights, sequences)):
-        torch.testing.assert_close(torch.tensor(got), ref, atol=1e-3, rtol=0)
+    served = gpu_group.compute_log_probs(sequences)  # the checkpoint's weights
+    # Each transport pushes other weights than the engine holds, so each sync must load to pass.
+    for version, (transport, scale) in enumerate([("cuda_ipc", 1.2), ("broadcast", 1.4)], start=1):
+        weights = {n: t * scale for n, t in base.items()}
+        reference = hf_log_probs(tiny_qwen_dir, weights, sequences)
+        assert _max_diff(served, reference) > 0.1, f"{transport}: the pushed weights barely change the outputs"
+        gpu_group.sleep()
+        plan = prepare_sync(gpu_group, version=version, bucket_size_bytes=1 << 16, transport=transport)
+        report = ray_session.get(gpu_sender.push_weights.remote(plan, {n: t.cuda() for n, t in weights.items()}))
+        assert report.checksum == weights_checksum(weights.items(), torch.float32)
+        assert gpu_group.weights_version() == [(version, report.checksum)]
+        gpu_group.wake_up()
+        served = gpu_group.compute_log_probs(sequences)
+        for got, ref in zip(served, reference, strict=True):
+            torch.testing.assert_close(torch.tensor(got), ref, atol=1e-3, rtol=0)
     assert len(gpu_group.generate(sequences, SamplingConfig(max_tokens=4, seed=0))) == 3

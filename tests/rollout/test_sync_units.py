@@ -65,7 +65,7 @@ def test_pack_unpack_round_trip_with_aligned_offsets(dtype):
     assert all(off % ALIGN_BYTES == 0 for off in layout.offsets)
     wire = layout.to_wire()
     back = unpack_bucket(flat, BucketLayout.from_wire(wire))
-    for (name, src), (got_name, got) in zip(weights, back):
+    for (name, src), (got_name, got) in zip(weights, back, strict=True):
         assert got_name == name and got.dtype == dtype
         assert torch.equal(got, src.to(dtype))
 
@@ -101,7 +101,7 @@ def test_shared_memory_bucket_is_readable_by_another_process_and_outlives_close(
     mapped = open_shared_memory_bucket(shm.path, layout.nbytes)
     path = shm.path
     shm.close()
-    for (_, src), (_, got) in zip(weights, unpack_bucket(mapped, layout)):
+    for (_, src), (_, got) in zip(weights, unpack_bucket(mapped, layout), strict=True):
         assert torch.equal(got, src)  # a receiver's mapping survives the sender's close
     with pytest.raises(FileNotFoundError):
         open_shared_memory_bucket(path, layout.nbytes)

@@ -19,9 +19,15 @@ from rollout_testlib import ENGINE_KWARGS, hf_log_probs, random_prompts
 pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow]
 
 ATOL_FP32 = 1e-3
-# bf16 engine vs Megatron fp32 on this model (log-probs down to -13): max |diff| measured 0.45, where
-# transformers run in bf16 differs by 0.35; the bounds leave room for other CPUs' bf16 kernels.
+# bf16 engine vs Megatron fp32 on this model (log-probs down to -13): max |diff| measured 0.45 on the
+# checkpoint and 0.41 after the update below, where transformers run in bf16 differs by 0.35 / 0.38; the bounds
+# leave room for other CPUs' bf16 kernels.
 ATOL_BF16 = 1.0
+# The update before the bf16 sync: one SGD step of this size on this batch moves the log-probs of the checked
+# sequences by up to 6.4 (measured: the bf16 engine before its sync) while keeping them within the
+# checkpoint's range, so a sync that did not load fails ATOL_BF16 six times over.
+BF16_TRAIN = [list(range(10, 26))] * 2
+BF16_LR = 0.3
 WHOLE_MODEL = 1 << 40
 TP = 2
 
@@ -97,10 +103,10 @@ def test_tp2_sync_matches_megatron_including_cached_prompts(ray_session, ranks, 
     _assert_close(_engine_log_probs(ray_session, engine, sequences),
                   _megatron_log_probs(ray_session, ranks, sequences), ATOL_FP32)
     results = ray_session.get(engine.generate.remote(long_prompts, greedy))
-    full = [p + r.response_ids for p, r in zip(long_prompts, results)]
+    full = [p + r.response_ids for p, r in zip(long_prompts, results, strict=True)]
     reference = _megatron_log_probs(ray_session, ranks, full)
     _assert_close([torch.tensor(r.log_probs) for r in results],
-                  [ref[len(p) - 1 :] for p, ref in zip(long_prompts, reference)], ATOL_FP32)
+                  [ref[len(p) - 1 :] for p, ref in zip(long_prompts, reference, strict=True)], ATOL_FP32)
 
 
 def test_large_sgd_steps_change_outputs_and_each_sync_matches(ray_session, ranks, engines):
@@ -128,7 +134,7 @@ def test_bucket_size_does_not_change_the_result(ray_session, ranks, engines):
     (c1, lp1, n1), (c2, lp2, n2), (c3, lp3, n3) = seen
     assert c1 == c2 == c3
     assert n1 > n2 >= n3 == 1
-    for a, b, c in zip(lp1, lp2, lp3):
+    for a, b, c in zip(lp1, lp2, lp3, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
@@ -144,7 +150,7 @@ def test_bad_tensor_is_an_error_and_the_engine_keeps_its_weights(ray_session, ra
         sync_weights(ranks, [engine], version=before_version[0] + 1, bucket_size_bytes=1, method=method)
     assert ray_session.get(engine.weights_version.remote()) == before_version
     after = _engine_log_probs(ray_session, engine, sequences)
-    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
     # The ranks are not stuck in the export's collectives: a good sync still works.
     sync_weights(ranks, [engine], version=before_version[0] + 1, bucket_size_bytes=1 << 20)
     _assert_close(_engine_log_probs(ray_session, engine, sequences),
@@ -152,12 +158,18 @@ def test_bad_tensor_is_an_error_and_the_engine_keeps_its_weights(ray_session, ra
 
 
 def test_disaggregated_broadcast_and_bf16_engine(ray_session, ranks, engines, tiny_qwen_dir):
-    # The checkpoint's weights: after the large SGD steps above, log-probs reach -1e3 and bf16's relative
-    # rounding alone would be far above any useful absolute tolerance.
+    # The checkpoint's weights plus one moderate SGD step: after the large steps above, log-probs reach -1e3
+    # and bf16's relative rounding alone would be far above any useful absolute tolerance; this step keeps
+    # them in the checkpoint's range (down to about -13) but moves them far from the checkpoint's, which the
+    # bf16 engine still serves: a sync that did not load would fail the bf16 bound by a wide margin.
     ray_session.get([r.reload_checkpoint.remote() for r in ranks])
+    ray_session.get([r.sgd_step.remote(BF16_TRAIN, BF16_LR) for r in ranks])
     sequences = random_prompts(4, seed=35)
     megatron = _megatron_log_probs(ray_session, ranks, sequences)
+    exported = _exported(ray_session, ranks)
     for dtype, engine in engines.items():
+        stale = _engine_log_probs(ray_session, engine, sequences)
+        assert _max_diff(stale, megatron) > 3 * ATOL_BF16, f"{dtype}: the new weights barely change the outputs"
         metrics = sync_weights(ranks, [engine], version=_next_version(ray_session, engine),
                                bucket_size_bytes=1 << 16, mode="disaggregated")
         assert metrics["weight_sync/num_buckets"] > 1
@@ -165,11 +177,12 @@ def test_disaggregated_broadcast_and_bf16_engine(ray_session, ranks, engines, ti
         if dtype == "float32":
             _assert_close(got, megatron, ATOL_FP32)
             continue
-        exported = _exported(ray_session, ranks)
         assert ray_session.get(engine.weights_version.remote())[1] == weights_checksum(exported, torch.bfloat16)
-        # bf16 rounding of weights and activations: compare with what transformers itself gets in bf16.
-        hf_bf16 = hf_log_probs(tiny_qwen_dir, None, sequences, dtype=torch.bfloat16)
+        # bf16 rounding of weights and activations: compare with what transformers itself gets in bf16 with
+        # the same weights.
+        hf_bf16 = hf_log_probs(tiny_qwen_dir, dict(exported), sequences, dtype=torch.bfloat16)
         engine_diff, hf_diff = _max_diff(got, megatron), _max_diff(hf_bf16, megatron)
         print(f"bf16 vs fp32 Megatron, max |log-prob diff|: vLLM engine {engine_diff:.3f}, transformers "
-              f"{hf_diff:.3f} (max |log-prob| {max(float(m.abs().max()) for m in megatron):.1f})")
+              f"{hf_diff:.3f}, stale engine {_max_diff(stale, megatron):.3f} "
+              f"(max |log-prob| {max(float(m.abs().max()) for m in megatron):.1f})")
         assert engine_diff < ATOL_BF16 and engine_diff < 2 * hf_diff + 0.1
