@@ -161,7 +161,7 @@ def estimate_memory(cfg: Config, plan: PlacementPlan, hf: dict[str, Any],
     out = []
     for n, node in enumerate(plan.bundles):
         for g in range(len(node)):
-            fields: dict[str, Any] = {}
+            fields: dict[str, Any] = {"distributed_optimizer": p.use_distributed_optimizer}
             rank = next((s.index for s in plan.ranks if (s.node, s.gpus) == (n, (g,))), None)
             if rank is not None:
                 stage = rank // (tp * dp)  # Megatron's default order tp-cp-ep-dp-pp: PP varies slowest
@@ -169,8 +169,7 @@ def estimate_memory(cfg: Config, plan: PlacementPlan, hf: dict[str, Any],
                 opt = params * optimizer_bytes_per_param(dtype)
                 fields.update(weights=params * b, reference=params * b if cfg.algorithm.use_kl_loss else 0,
                               gradients=params * 4, optimizer_distributed=opt // dp, optimizer_replicated=opt,
-                              logprob_chunk=chunk if stage == pp - 1 else 0,
-                              distributed_optimizer=p.use_distributed_optimizer)
+                              logprob_chunk=chunk if stage == pp - 1 else 0)
             if (n, g) in engine_gpus:
                 fields.update(vllm=vllm, engine_weights=engine_weights, kv_cache=max(vllm - engine_weights, 0))
             out.append(GPUMemory(n, g, rank, **fields))

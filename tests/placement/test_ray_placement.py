@@ -36,7 +36,7 @@ from megatron_gigpo.placement import (
     slot_options,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # ~1-2.5 min on 2 cores (actor start-up)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
