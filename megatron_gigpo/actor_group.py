@@ -1,10 +1,10 @@
 """Megatron actor ranks hosted as Ray actors, driven as one object by the single controller.
 
 Each :class:`ActorWorker` is one torch.distributed rank holding a
-:class:`megatron_gigpo.actor.policy.PolicyActor`. :class:`ActorGroup` places the ranks in a Ray placement
-group (one bundle per rank: a GPU, or a CPU slot on the CPU path), wires the process group
-(``MASTER_ADDR``/``MASTER_PORT`` of rank 0) and broadcasts every call to all ranks, since every Megatron
-operation is a collective. Results come from the rank the policy documents (the last pipeline stage's
+:class:`megatron_gigpo.actor.policy.PolicyActor`. :class:`ActorGroup` places the ranks where the run's
+placement plan says (:mod:`megatron_gigpo.placement`: one bundle per rank, a GPU or a CPU slot on the CPU path),
+wires the process group (``MASTER_ADDR``/``MASTER_PORT`` of rank 0) and broadcasts every call to all ranks,
+since every Megatron operation is a collective. Results come from the rank the policy documents (the last pipeline stage's
 first rank for log-probs and losses).
 """
 
@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any
+from typing import Any, Sequence
 
 import ray
-from ray.util.placement_group import PlacementGroup
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megatron_gigpo.actor.config import ActorConfig
 
@@ -60,28 +58,20 @@ class ActorWorker:
 
 
 class ActorGroup:
-    """All actor ranks of one Megatron model, in a placement group.
+    """All actor ranks of one Megatron model, each in the bundle its placement plan gives it.
 
     Args:
         cfg: the per-rank actor settings (same on every rank).
-        world_size: number of ranks (TP x PP x DP).
-        placement_group: a ready placement group with ``world_size`` bundles, rank i in bundle i.
-        num_gpus: Ray GPUs of one rank (0 on CPU; a fraction when an engine shares the GPU).
-        num_cpus: Ray CPUs of one rank (must fit its bundle).
+        rank_options: one ``.options()`` dict per rank (index = rank; CPU / GPU request and placement-group
+            scheduling: :func:`megatron_gigpo.placement.slot_options`); the world size is its length.
         env_vars: environment of the rank processes (e.g. thread counts).
     """
 
-    def __init__(self, cfg: ActorConfig, world_size: int, placement_group: PlacementGroup, *, num_gpus: float,
-                 num_cpus: float, env_vars: dict[str, str]):
+    def __init__(self, cfg: ActorConfig, rank_options: Sequence[dict[str, Any]], *, env_vars: dict[str, str]):
         remote_cls = ray.remote(ActorWorker)
-        self.workers = [
-            remote_cls.options(
-                num_cpus=num_cpus, num_gpus=num_gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=i),
-                name=None,
-            ).remote(i, world_size, env_vars)
-            for i in range(world_size)
-        ]
+        world_size = len(rank_options)
+        self.workers = [remote_cls.options(**options).remote(i, world_size, env_vars)
+                        for i, options in enumerate(rank_options)]
         addr, port = ray.get(self.workers[0].address.remote())
         ray.get([w.init.remote(addr, port, cfg) for w in self.workers])
 

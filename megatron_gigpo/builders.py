@@ -28,13 +28,6 @@ RAY_ENV = {
 }
 # Only for a local Ray: keeps the single node on 127.0.0.1 (it would break multi-node address lookups).
 LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-# Logical CPU share of one CPU-device actor rank: ranks, engines and environment workers time-share the cores,
-# and a Slurm job advertises only its allocated CPUs to Ray.
-CPU_RANK_SHARE = 0.25
-CPU_ENGINE_SHARE = 0.5
-# Colocated GPU mode: an actor rank and a vLLM engine share one GPU bundle.
-GPU_RANK_SHARE = 0.5
-GPU_ENGINE_SHARE = 0.4
 
 
 def actor_config(cfg: Config, model_dir: Path):
@@ -110,23 +103,23 @@ def start_ray(cfg: Config, stack: contextlib.ExitStack, *, check_env: bool = Tru
 
 
 def start_actor_group(cfg: Config, actor_cfg, stack: contextlib.ExitStack):
-    """The Megatron actor ranks of ``cfg``'s layout (``trainer.nnodes x trainer.devices_per_node``), one
-    placement-group bundle each (a GPU, or a CPU share), built from ``actor_cfg``; their shutdown is
-    registered on ``stack``. Used by RL training and by the SFT stage alike.
+    """The Megatron actor ranks of ``cfg``'s layout, placed as the run's placement plan says
+    (:func:`megatron_gigpo.placement.plan_placement`, the plan ``validate --plan`` prints), built from
+    ``actor_cfg``; the placement groups' removal and the ranks' shutdown are registered on ``stack``. Used by RL
+    training and by the SFT stage alike.
 
     Returns:
-        ``(placement_group, ActorGroup)``.
+        ``(plan, placement_groups, ActorGroup)``.
     """
     from megatron_gigpo.actor_group import ActorGroup
+    from megatron_gigpo.placement import create_placement_groups, plan_placement, remove_placement_groups, slot_options
 
-    world = cfg.trainer.nnodes * cfg.trainer.devices_per_node
-    use_gpu = cfg.trainer.device == "cuda"
-    placement = _placement_group(world, use_gpu)
-    actors = ActorGroup(actor_cfg, world, placement,
-                        num_gpus=(GPU_RANK_SHARE if _gpu_colocated(cfg) else 1) if use_gpu else 0,
-                        num_cpus=1 if use_gpu else CPU_RANK_SHARE, env_vars=_rank_env(cfg))
+    plan = plan_placement(cfg)
+    groups = create_placement_groups(plan)
+    stack.callback(remove_placement_groups, groups)
+    actors = ActorGroup(actor_cfg, [slot_options(groups, s) for s in plan.ranks], env_vars=_rank_env(cfg))
     stack.callback(actors.shutdown)
-    return placement, actors
+    return plan, groups, actors
 
 
 class PhaseTimer:
@@ -228,9 +221,10 @@ class RunContext:
         self.train_task_list = load_task_list(cfg.env, "train")
         self.val_task_list = validation_subset(load_task_list(cfg.env, "val"), cfg.env.val_num_groups)
 
-        self.placement, self.actors = start_actor_group(cfg, actor_config(cfg, model_dir), self._stack)
+        # Where every rank, engine and vLLM worker runs: the plan `validate --plan` prints (megatron_gigpo.placement).
+        self.plan, self.placement_groups, self.actors = start_actor_group(cfg, actor_config(cfg, model_dir), self._stack)
         self._resume()
-        self.engines = _build_engines(cfg, model_dir, self.placement)
+        self.engines = _build_engines(cfg, model_dir, self.plan, self.placement_groups)
         self._stack.callback(self.engines.shutdown)
         self.collector = _build_collector(cfg, self.tokenizer, self.engines)
         self._stack.callback(self.collector.close)
@@ -380,21 +374,6 @@ class RunContext:
             self.progress.console.print(line, soft_wrap=True)
 
 
-def _gpu_colocated(cfg: Config) -> bool:
-    """Engines share the actor ranks' GPUs: colocated mode with single-GPU (TP 1) engines."""
-    return cfg.rollout.weight_sync_mode == "colocated" and cfg.rollout.tensor_parallel_size == 1
-
-
-def _placement_group(world: int, use_gpu: bool):
-    import ray
-    from ray.util.placement_group import placement_group
-
-    bundle = {"GPU": 1, "CPU": 2} if use_gpu else {"CPU": CPU_RANK_SHARE}
-    pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
-    ray.get(pg.ready(), timeout=600)
-    return pg
-
-
 def _rank_env(cfg: Config) -> dict[str, str]:
     env = {k: os.environ[k] for k in RAY_ENV}
     if cfg.trainer.device == "cpu":
@@ -410,25 +389,20 @@ def _shutdown_ray() -> None:
     ray.shutdown()
 
 
-def _build_engines(cfg: Config, model_dir: Path, placement):
-    """The vLLM engines. Colocated on GPU (engine TP 1): engine k shares actor bundle k's GPU (the actor
-    rank takes half of it, the engine 0.4); otherwise engines get their own devices."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
+def _build_engines(cfg: Config, model_dir: Path, plan, groups):
+    """The vLLM engines, each started where ``plan`` puts it (:func:`megatron_gigpo.placement.engine_options`)."""
+    from megatron_gigpo.placement import engine_options
     from megatron_gigpo.rollout.engine import RolloutEngineGroup
 
     r, use_gpu = cfg.rollout, cfg.trainer.device == "cuda"
-    ray_options: dict[str, Any] = {}
-    if use_gpu and _gpu_colocated(cfg):
-        ray_options = {"num_gpus": GPU_ENGINE_SHARE, "scheduling_strategy": PlacementGroupSchedulingStrategy(placement)}
-    engines = RolloutEngineGroup(
-        str(model_dir), r.num_engines, ray_options=ray_options, tensor_parallel_size=r.tensor_parallel_size,
+    return RolloutEngineGroup(
+        str(model_dir), r.num_engines, ray_options=[engine_options(groups, e) for e in plan.engines],
+        tensor_parallel_size=r.tensor_parallel_size, distributed_executor_backend=plan.engines[0].executor,
         dtype="float32" if not use_gpu else cfg.model.dtype, max_model_len=r.prompt_length + r.response_length,
         seed=cfg.trainer.seed, gpu_memory_utilization=r.gpu_memory_utilization,
         cpu_kvcache_space_gib=float(r.cpu_kvcache_space_gib), enforce_eager=r.enforce_eager,
-        num_cpus=1.0 if use_gpu else CPU_ENGINE_SHARE,
+        num_cpus=plan.engines[0].host.num_cpus,
     )
-    return engines
 
 
 def _build_collector(cfg: Config, tokenizer, engines):

@@ -24,7 +24,26 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         f"on {cfg.trainer.nnodes} node(s) x {cfg.trainer.devices_per_node} {cfg.trainer.device} device(s), "
         f"{cfg.env.num_groups} groups x {cfg.rollout.n} rollouts"
     )
+    if args.plan:
+        _print_plan(cfg, args.gpu_memory_gib)
     return 0
+
+
+def _print_plan(cfg, gpu_memory_gib: float) -> None:
+    """The placement plan (megatron_gigpo.placement) and, on GPU, its per-GPU memory estimate."""
+    from megatron_gigpo.memory import estimate_memory, format_memory, policy_hf_config
+    from megatron_gigpo.placement import format_plan, plan_placement
+
+    plan = plan_placement(cfg)
+    print(format_plan(plan))
+    if plan.cluster.device != "cuda":
+        print("memory: trainer.device=cpu, no GPU estimate")
+        return
+    hf = policy_hf_config(cfg)
+    if hf is None:
+        print(f"memory: no estimate, the architecture of model.path '{cfg.model.path}' is unknown")
+        return
+    print(format_memory(estimate_memory(cfg, plan, hf, gpu_memory_gib), gpu_memory_gib))
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -137,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_cmd_eval)
     va = recipe_cmd("validate", "check a recipe without starting anything")
     va.add_argument("--preflight", action="store_true", help="also check data directories, devices and services")
+    va.add_argument("--plan", action="store_true",
+                    help="print the placement plan (bundles, ranks, engines, GPU count) and a per-GPU memory estimate")
+    va.add_argument("--gpu-memory-gib", type=float, default=80.0, help="GPU memory for the --plan estimate (GiB)")
     va.set_defaults(func=_cmd_validate)
     de = recipe_cmd("demos", "write expert demonstrations (chat JSONL) for a supervised cold start")
     de.add_argument("--out", required=True, help="JSONL file to write (atomically)")

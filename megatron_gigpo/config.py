@@ -24,6 +24,7 @@ import yaml
 
 from megatron_gigpo.episodes.prompts import PROMPT_OVERFLOW_POLICIES
 from megatron_gigpo.episodes.templates import PROMPT_STYLES, PROMPT_TEMPLATES
+from megatron_gigpo.model_specs import KNOWN_MODELS
 
 
 class ConfigError(ValueError):
@@ -66,7 +67,9 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Megatron layout of the actor. TP x PP x DP must equal the actor world size (trainer)."""
+    """Megatron layout of the actor. TP x PP x DP actor ranks = trainer.nnodes x trainer.devices_per_node; with
+    GPU engines in ``rollout.weight_sync_mode: disaggregated`` the engines' GPUs come out of that count
+    (:mod:`megatron_gigpo.placement`)."""
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -495,12 +498,8 @@ class ModelShape:
 
 # Shapes of the models the recipes name, so recipes validate without the weights being present.
 KNOWN_MODEL_SHAPES: dict[str, ModelShape] = {
-    "builtin:smollm2-135m-instruct": ModelShape(9, 3, 30),
-    "HuggingFaceTB/SmolLM2-135M-Instruct": ModelShape(9, 3, 30),
-    "Qwen/Qwen2.5-0.5B-Instruct": ModelShape(14, 2, 24),
-    "Qwen/Qwen2.5-1.5B-Instruct": ModelShape(12, 2, 28),
-    "Qwen/Qwen2.5-3B-Instruct": ModelShape(16, 2, 36),
-    "Qwen/Qwen2.5-7B-Instruct": ModelShape(28, 4, 28),
+    name: ModelShape(hf["num_attention_heads"], hf["num_key_value_heads"], hf["num_hidden_layers"])
+    for name, hf in KNOWN_MODELS.items()
 }
 
 CHOICES = {
@@ -613,15 +612,11 @@ def validate_config(cfg: Config, source: str = "config") -> None:
 
     if cfg.model.init == "random":
         errors += _architecture_errors(cfg.model.architecture)
-    world = t.nnodes * t.devices_per_node
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
-    if min(tp, pp, dp) < 1:
-        errors.append(f"parallel sizes must be >= 1 (TP={tp}, PP={pp}, DP={dp})")
-    elif tp * pp * dp != world:
-        errors.append(
-            f"parallel: TP({tp}) x PP({pp}) x DP({dp}) = {tp * pp * dp} != world size {world} "
-            f"(trainer.nnodes={t.nnodes} x trainer.devices_per_node={t.devices_per_node})"
-        )
+    # World size, engine GPUs and nodes: the placement plan's own check (one place decides where things run).
+    from megatron_gigpo.placement import placement_errors
+
+    errors += placement_errors(cfg)
     try:
         shape = _policy_shape(cfg.model)
     except ConfigError as exc:

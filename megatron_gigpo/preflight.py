@@ -42,10 +42,12 @@ def _check_model(cfg: Config) -> list[str]:
 
 
 def _check_devices(cfg: Config, cluster_resources: dict[str, float] | None) -> list[str]:
+    from megatron_gigpo.placement import plan_placement
+
     t = cfg.trainer
     if t.device == "cpu":
         return []
-    needed = t.nnodes * t.devices_per_node
+    needed = plan_placement(cfg).total_gpus  # what the run reserves (validate_config made sure it fits)
     if cluster_resources is not None:
         have = int(cluster_resources["GPU"]) if "GPU" in cluster_resources else 0
         where = "the Ray cluster"
@@ -56,8 +58,8 @@ def _check_devices(cfg: Config, cluster_resources: dict[str, float] | None) -> l
         where = "this machine" if t.nnodes == 1 else "this machine (multi-node recipes need a Ray cluster: RAY_ADDRESS)"
     if have < needed:
         return [
-            f"trainer.device=cuda needs {needed} GPUs (trainer.nnodes={t.nnodes} x "
-            f"trainer.devices_per_node={t.devices_per_node}) but {where} has {have}; "
+            f"trainer.device=cuda needs {needed} GPUs (its placement plan on trainer.nnodes={t.nnodes} x "
+            f"trainer.devices_per_node={t.devices_per_node}; `validate --plan` shows it) but {where} has {have}; "
             f"run on a GPU allocation (slurm/train.sbatch) or use trainer.device=cpu"
         ]
     return []

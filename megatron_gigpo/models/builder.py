@@ -6,7 +6,6 @@ Upstream APIs: ``transformers.AutoConfig``, ``megatron.core.transformer.Transfor
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_gigpo.model_specs import padded_vocab_size
 from megatron_gigpo.models.mapping import UnsupportedModelError, get_model_mapping
 
 __all__ = [
@@ -94,19 +94,6 @@ def head_dim(hf_config: Any) -> int:
     (the rule HF's Qwen2/Llama attention modules apply)."""
     explicit = getattr(hf_config, "head_dim", None)
     return int(explicit) if explicit else hf_config.hidden_size // hf_config.num_attention_heads
-
-
-def padded_vocab_size(hf_config: Any, tensor_model_parallel_size: int) -> int:
-    """Vocabulary rounded up to a multiple of lcm(128, TP) (Megatron's ``make_vocab_size_divisible_by``).
-
-    The multiple does not change with TP (for TP dividing 128), so a Megatron checkpoint saved at one TP
-    loads at another. Real Qwen2/Llama vocabularies are multiples of 128 already, so this is usually the HF
-    size; otherwise logits at ids >= ``hf_config.vocab_size`` come from zero padding rows and must be
-    masked (set to -inf) before any softmax.
-    """
-    vocab = int(hf_config.vocab_size)
-    multiple = math.lcm(128, tensor_model_parallel_size)
-    return -(-vocab // multiple) * multiple
 
 
 def _params_dtype_flags(params_dtype: torch.dtype) -> dict[str, Any]:

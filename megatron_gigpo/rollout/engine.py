@@ -143,6 +143,9 @@ class EngineConfig:
         max_num_seqs: concurrent sequences per engine step.
         env_vars: extra environment of the engine actor and its vLLM processes.
         num_cpus: Ray CPUs reserved per engine.
+        distributed_executor_backend: vLLM's executor for TP > 1 (``"ray"``: one vLLM Ray worker per bundle
+            listed in ``VLLM_RAY_BUNDLE_INDICES`` of the engine actor's placement group; ``"mp"``: worker
+            processes inside the engine actor); None: vLLM's default. Set by the placement plan.
     """
 
     model_path: str
@@ -158,6 +161,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     env_vars: dict[str, str] = field(default_factory=dict)
     num_cpus: float = 1.0
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -169,6 +173,9 @@ class EngineConfig:
                 f"EngineConfig.tensor_parallel_size={self.tensor_parallel_size} must be >= 1 and "
                 f"max_model_len={self.max_model_len} >= 2"
             )
+        if self.distributed_executor_backend not in (None, "ray", "mp", "uni"):
+            raise ValueError(f"EngineConfig.distributed_executor_backend={self.distributed_executor_backend!r}; "
+                             "expected None, 'ray', 'mp' or 'uni'")
         if not os.path.isfile(os.path.join(self.model_path, "config.json")):
             raise FileNotFoundError(f"EngineConfig.model_path={self.model_path!r} has no config.json")
 
@@ -205,6 +212,7 @@ class RolloutEngine:
             logprobs_mode=config.logprobs_mode,
             max_num_seqs=config.max_num_seqs,
             worker_extension_cls=_EXTENSION,
+            distributed_executor_backend=config.distributed_executor_backend,
             **kwargs,
         )
         self.spec: WeightSpec = read_checkpoint_spec(config.model_path, config.dtype)
@@ -215,7 +223,9 @@ class RolloutEngine:
 
     @classmethod
     def launch(cls, config: EngineConfig, **ray_options: Any):
-        """Start the engine as a Ray actor; ``ray_options`` go to ``.options()`` (e.g. scheduling_strategy).
+        """Start the engine as a Ray actor; ``ray_options`` go to ``.options()`` (e.g. scheduling_strategy, or
+        :func:`megatron_gigpo.placement.engine_options`); ``runtime_env`` environment variables there are added to
+        ``config.env_vars``.
 
         Returns:
             The actor handle; the constructor runs asynchronously (call ``ready`` to wait).
@@ -225,9 +235,10 @@ class RolloutEngine:
         options: dict[str, Any] = {"num_cpus": config.num_cpus}
         if torch.cuda.is_available():
             options["num_gpus"] = config.tensor_parallel_size
-        if config.env_vars:
-            options["runtime_env"] = {"env_vars": dict(config.env_vars)}
+        env_vars = dict(config.env_vars) | dict(ray_options.get("runtime_env", {}).get("env_vars", {}))
         options.update(ray_options)
+        if env_vars:
+            options["runtime_env"] = dict(ray_options.get("runtime_env", {})) | {"env_vars": env_vars}
         return ray.remote(cls).options(**options).remote(config)
 
     def ready(self) -> bool:
@@ -444,22 +455,26 @@ class RolloutEngineGroup:
     Args:
         model_path: HF checkpoint directory.
         num_engines: K >= 1.
-        ray_options: extra ``.options()`` for every engine actor (e.g. a placement-group strategy).
+        ray_options: extra ``.options()`` for every engine actor (e.g. a placement-group strategy), or a list
+            with one dict per engine (the placement plan's :func:`megatron_gigpo.placement.engine_options`).
         **engine_kwargs: :class:`EngineConfig` fields (tensor_parallel_size, dtype, max_model_len, seed,
             gpu_memory_utilization, cpu_kvcache_space_gib, enforce_eager, ...).
 
     Raises:
-        ValueError: num_engines < 1 or a bad :class:`EngineConfig` field.
+        ValueError: num_engines < 1, a ``ray_options`` list of another length, or a bad :class:`EngineConfig` field.
     """
 
-    def __init__(self, model_path: str, num_engines: int = 1, *, ray_options: dict[str, Any] | None = None,
-                 **engine_kwargs: Any):
+    def __init__(self, model_path: str, num_engines: int = 1, *,
+                 ray_options: dict[str, Any] | Sequence[dict[str, Any]] | None = None, **engine_kwargs: Any):
         import ray
 
         if num_engines < 1:
             raise ValueError(f"num_engines={num_engines} must be >= 1")
+        per_engine = [ray_options or {}] * num_engines if not isinstance(ray_options, Sequence) else list(ray_options)
+        if len(per_engine) != num_engines:
+            raise ValueError(f"ray_options has {len(per_engine)} entries for num_engines={num_engines}")
         self.config = EngineConfig(model_path=str(model_path), **engine_kwargs)
-        self.engines = [RolloutEngine.launch(self.config, **(ray_options or {})) for _ in range(num_engines)]
+        self.engines = [RolloutEngine.launch(self.config, **options) for options in per_engine]
         try:
             ray.get([e.ready.remote() for e in self.engines])
         except BaseException:

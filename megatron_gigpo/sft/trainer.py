@@ -169,7 +169,7 @@ class SFTTrainer:
         self.model_dir = resolve_model(cfg.model)
         self._load_data(AutoTokenizer.from_pretrained(str(self.model_dir)))
         actor_cfg = sft_actor_config(cfg, self.model_dir, self.total_steps)
-        _, self.actors = start_actor_group(cfg, actor_cfg, self._stack)
+        _, _, self.actors = start_actor_group(cfg, actor_cfg, self._stack)
         if cfg.checkpoint.resume:
             self._resume()
         self.out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,203 @@
+"""Per-GPU memory estimate of a placement plan (``megatron-gigpo validate RECIPE --plan``).
+
+Bytes on one GPU, for the actor rank there (tensor-parallel size T, pipeline stage s of S, data-parallel size D;
+``P_s`` = parameters of stage s that one TP rank holds, :func:`rank_parameter_count`) and the engine there
+(tensor-parallel size k, ``P`` = the model's parameters, :func:`hf_parameter_count`):
+
+=================  ================================================================================================
+weights            ``P_s x b``; b = 2 (bfloat16 / float16) or 4 (float32; the CPU path always trains in float32)
+reference          ``P_s x b`` when ``algorithm.use_kl_loss`` (the frozen copy for the KL loss), else 0
+gradients          ``P_s x 4``: Megatron DDP's fp32 ``main_grad`` buffer (``grad_reduce_in_fp32``), full size on
+                   every rank with or without the distributed optimizer
+optimizer          ``P_s x (8 + m) / Z``: Adam's two fp32 moments (8 B) plus the fp32 master copy (m = 4) when
+                   b = 2 (m = 0 for float32 params); Z = D with ``parallel.use_distributed_optimizer`` (ZeRO-1
+                   shards the state over data-parallel ranks), else 1 — both variants are printed
+log-prob chunk     ``4 x C x V_pad / T x 4`` on the last stage: the fp32 (C, V_pad / T) logits of
+                   C = ``logprob_chunk_size`` response tokens, and the shifted, exp and exp * shifted temporaries of
+                   :func:`megatron_gigpo.actor.logprob.vocab_parallel_log_probs`; V_pad = vocabulary padded to a
+                   multiple of lcm(128, T)
+vLLM               ``u x G`` while the engine is awake: vLLM takes ``u = rollout.gpu_memory_utilization`` of the
+                   GPU's memory G for its weights ``P / k x b`` and its KV cache (the rest)
+KV cache           ``u x G - P / k x b``
+=================  ================================================================================================
+
+Peak of a colocated GPU = weights + reference + gradients + optimizer + max(log-prob chunk, vLLM): the actor's
+state stays resident while the engines generate, and the engines sleep (weights offloaded, KV cache freed)
+while the actor computes log-probs and updates. Disaggregated: actor GPUs hold the first five terms, engine
+GPUs ``u x G``. Not counted: activations (bounded by ``trainer.micro_batch_tokens`` and recomputation), the
+CUDA context and allocator slack (1-3 GiB), vLLM's CUDA graphs and sampler buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from megatron_gigpo.config import Config
+from megatron_gigpo.model_specs import hf_config_for, padded_vocab_size
+from megatron_gigpo.placement import PlacementPlan
+
+__all__ = [
+    "GPUMemory", "hf_parameter_count", "rank_parameter_count", "optimizer_bytes_per_param",
+    "estimate_memory", "format_memory", "policy_hf_config", "LOGPROB_CHUNK_BLOCKS",
+]
+
+GIB = 1 << 30
+#: fp32 (chunk, V / TP) blocks alive at once in vocab_parallel_log_probs: logits, shifted, exp, exp * shifted.
+LOGPROB_CHUNK_BLOCKS = 4
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _layer_params(hf: dict[str, Any]) -> tuple[int, int]:
+    """(TP-split, TP-replicated) parameters of one decoder layer (attention with optional Q/K/V bias, gated MLP,
+    two RMSNorm gains)."""
+    h, heads = hf["hidden_size"], hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads") or heads
+    d = hf.get("head_dim") or h // heads
+    attention = h * heads * d + 2 * h * kv_heads * d + heads * d * h
+    if hf.get("attention_bias", hf.get("model_type") == "qwen2"):
+        attention += heads * d + 2 * kv_heads * d
+    mlp = 3 * h * hf["intermediate_size"]
+    return attention + mlp, 2 * h
+
+
+def hf_parameter_count(hf: dict[str, Any]) -> int:
+    """Parameters of the Hugging Face model described by config.json ``hf`` (a tied head counted once)."""
+    split, replicated = _layer_params(hf)
+    h, vocab = hf["hidden_size"], hf["vocab_size"]
+    head = 0 if hf.get("tie_word_embeddings", False) else vocab * h
+    return hf["num_hidden_layers"] * (split + replicated) + vocab * h + head + h
+
+
+def rank_parameter_count(hf: dict[str, Any], tp: int, pp: int, stage: int) -> int:
+    """Parameters one Megatron rank holds at tensor-parallel size ``tp``, pipeline stage ``stage`` of ``pp``.
+
+    Vocabulary padded as the actor pads it; the first stage holds the embedding, the last the final norm and the
+    output layer (with tied embeddings and PP > 1 the last stage keeps its own copy of the embedding).
+    """
+    split, replicated = _layer_params(hf)
+    h = hf["hidden_size"]
+    vocab = padded_vocab_size(SimpleNamespace(vocab_size=hf["vocab_size"]), tp)
+    count = hf["num_hidden_layers"] // pp * (split // tp + replicated)
+    if stage == 0:
+        count += vocab * h // tp
+    if stage == pp - 1:
+        count += h
+        if not hf.get("tie_word_embeddings", False) or pp > 1:
+            count += vocab * h // tp
+    return count
+
+
+def optimizer_bytes_per_param(params_dtype: str) -> int:
+    """Adam state bytes per parameter before sharding: two fp32 moments, plus an fp32 master copy for 16-bit params."""
+    return 8 + (4 if _BYTES[params_dtype] == 2 else 0)
+
+
+@dataclass(frozen=True)
+class GPUMemory:
+    """Estimated bytes on one GPU of a plan (see the module docstring for each term)."""
+
+    node: int
+    gpu: int
+    rank: int | None  # actor rank on this GPU, or None
+    weights: int = 0
+    reference: int = 0
+    gradients: int = 0
+    optimizer_distributed: int = 0
+    optimizer_replicated: int = 0
+    logprob_chunk: int = 0
+    vllm: int = 0  # u x G, when an engine (or a vLLM worker of one) uses this GPU
+    engine_weights: int = 0
+    kv_cache: int = 0
+    distributed_optimizer: bool = False
+
+    @property
+    def actor(self) -> int:
+        """The actor's resident bytes (weights, reference, gradients, the recipe's optimizer variant)."""
+        optim = self.optimizer_distributed if self.distributed_optimizer else self.optimizer_replicated
+        return self.weights + self.reference + self.gradients + optim
+
+    @property
+    def peak(self) -> int:
+        return self.actor + max(self.logprob_chunk, self.vllm)
+
+
+def policy_hf_config(cfg: Config) -> dict[str, Any] | None:
+    """config.json of the policy (``model.architecture`` applied for ``init: random``); None if unknown."""
+    hf = hf_config_for(cfg.model.path)
+    if hf is None:
+        return None
+    if cfg.model.init == "random":
+        hf.update({k: v for k, v in dataclasses.asdict(cfg.model.architecture).items() if k != "initializer_range"})
+    return hf
+
+
+def _logprob_chunk_size() -> int:
+    """The actor's ``logprob_chunk_size`` (:class:`~megatron_gigpo.actor.config.ActorConfig`; not a recipe key)."""
+    from megatron_gigpo.actor.config import ActorConfig
+
+    return next(f.default for f in dataclasses.fields(ActorConfig) if f.name == "logprob_chunk_size")
+
+
+def estimate_memory(cfg: Config, plan: PlacementPlan, hf: dict[str, Any],
+                    gpu_memory_gib: float = 80.0) -> list[GPUMemory]:
+    """One :class:`GPUMemory` per GPU of ``plan`` (a GPU plan), in node / GPU order.
+
+    Args:
+        cfg: the recipe; plan: its :func:`~megatron_gigpo.placement.plan_placement`; hf: the policy's
+            config.json (:func:`policy_hf_config`); gpu_memory_gib: memory G of one GPU (vLLM's share is u x G).
+    """
+    p, r = cfg.parallel, cfg.rollout
+    tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
+    dtype = cfg.model.dtype if plan.cluster.device == "cuda" else "float32"
+    b = _BYTES[dtype]
+    vocab = padded_vocab_size(SimpleNamespace(vocab_size=hf["vocab_size"]), tp)
+    chunk = LOGPROB_CHUNK_BLOCKS * _logprob_chunk_size() * vocab // tp * 4
+    vllm = int(r.gpu_memory_utilization * gpu_memory_gib * GIB)
+    engine_weights = hf_parameter_count(hf) * b // r.tensor_parallel_size
+    engine_gpus = {(w.node, g) for e in plan.engines for w in (e.workers or (e.host,)) for g in w.gpus}
+    out = []
+    for n, node in enumerate(plan.bundles):
+        for g in range(len(node)):
+            fields: dict[str, Any] = {"distributed_optimizer": p.use_distributed_optimizer}
+            rank = next((s.index for s in plan.ranks if (s.node, s.gpus) == (n, (g,))), None)
+            if rank is not None:
+                stage = rank // (tp * dp)  # Megatron's default order tp-cp-ep-dp-pp: PP varies slowest
+                params = rank_parameter_count(hf, tp, pp, stage)
+                opt = params * optimizer_bytes_per_param(dtype)
+                fields.update(weights=params * b, reference=params * b if cfg.algorithm.use_kl_loss else 0,
+                              gradients=params * 4, optimizer_distributed=opt // dp, optimizer_replicated=opt,
+                              logprob_chunk=chunk if stage == pp - 1 else 0)
+            if (n, g) in engine_gpus:
+                fields.update(vllm=vllm, engine_weights=engine_weights, kv_cache=max(vllm - engine_weights, 0))
+            out.append(GPUMemory(n, g, rank, **fields))
+    return out
+
+
+def format_memory(rows: list[GPUMemory], gpu_memory_gib: float) -> str:
+    """The estimate as a table in GiB, one line per GPU, with each GPU's peak against ``gpu_memory_gib``."""
+    head = (f"{'node':>4} {'GPU':>3} {'rank':>4} {'weights':>7} {'ref':>6} {'grads':>6} {'optim':>6} "
+            f"{'optim':>6} {'lp-chunk':>8} {'vLLM':>6} {'vLLM-w':>6} {'KV':>6} {'peak':>6}  verdict")
+    sub = f"{'':>4} {'':>3} {'':>4} {'':>7} {'':>6} {'':>6} {'dist':>6} {'repl':>6}"
+    lines = [f"memory per GPU (GiB, estimate; megatron_gigpo/memory.py), against {gpu_memory_gib:g} GiB:", head, sub]
+    over = 0
+    for m in rows:
+        def gib(x: int) -> str:
+            return f"{x / GIB:.1f}"
+
+        star = ("*", "") if m.distributed_optimizer else ("", "*")
+        fits = m.peak <= gpu_memory_gib * GIB
+        over += not fits
+        verdict = "fits" if fits else f"OVER by {(m.peak - gpu_memory_gib * GIB) / GIB:.1f}"
+        lines.append(
+            f"{m.node:>4} {m.gpu:>3} {'-' if m.rank is None else m.rank:>4} {gib(m.weights):>7} {gib(m.reference):>6} "
+            f"{gib(m.gradients):>6} {gib(m.optimizer_distributed) + star[0]:>6} "
+            f"{gib(m.optimizer_replicated) + star[1]:>6} {gib(m.logprob_chunk):>8} {gib(m.vllm):>6} "
+            f"{gib(m.engine_weights):>6} {gib(m.kv_cache):>6} {gib(m.peak):>6}  {verdict}")
+    lines.append("* = the recipe's optimizer (parallel.use_distributed_optimizer); peak = weights + ref + grads + "
+                 "optim* + max(lp-chunk, vLLM); activations not included")
+    if over:
+        lines.append(f"{over} GPU(s) over {gpu_memory_gib:g} GiB")
+    return "\n".join(lines)

