@@ -1,0 +1,163 @@
+"""Learning benchmark: GiGPO against GRPO at an equal budget, from one cold start, on held-out tasks.
+
+    python benchmarks/learning.py [--recipe recipes/cpu/sokoban.yaml] [--seeds 3] [--iterations 8]
+                                  [--out runs/learning-benchmark] [overrides ...]
+
+1. One cold start (``megatron-gigpo sft`` on the recipe's expert demonstrations) gives the starting policy.
+2. From it, each method trains ``--iterations`` RL iterations on each of ``--seeds`` seeds (``trainer.seed`` and
+   ``env.seed``), with the same groups, group size and step limit, so every run takes the same number of
+   environment episodes:
+
+   ==========================  ===========================================================================
+   ``gigpo``                   GiGPO, ``mode: mean_std_norm`` (the paper's default)
+   ``gigpo_mean_norm``         GiGPO without the std division (``mode: mean_norm``)
+   ``gigpo_no_step``           GiGPO with omega = 0: the paper's "w/o A^S" ablation (episode advantage only)
+   ``grpo``                    GRPO (group-relative episode advantage, verl's estimator)
+   ==========================  ===========================================================================
+
+3. Greedy success on the recipe's held-out validation rooms (never in the demonstrations nor the RL tasks)
+   is measured before RL and every ``trainer.val_every`` iterations.
+
+Prints a table of held-out success per validation point (mean +- std over seeds), the step-group size
+histogram of the first and last iteration of the GiGPO runs (the paper's Figure 7 view), writes
+``<out>/learning.png`` and ``<out>/step_groups.png`` and a ``<out>/summary.json``, and ends with
+``gigpo_minus_grpo=<points>``: the final held-out success of GiGPO minus that of GRPO, in percentage points
+(mean over seeds). It is a benchmark, not a test: expect about an hour on a 2-core machine with the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS: dict[str, list[str]] = {
+    "gigpo": ["algorithm.adv_estimator=gigpo", "algorithm.mode=mean_std_norm", "algorithm.step_advantage_w=1.0"],
+    "gigpo_mean_norm": ["algorithm.adv_estimator=gigpo", "algorithm.mode=mean_norm", "algorithm.step_advantage_w=1.0"],
+    "gigpo_no_step": ["algorithm.adv_estimator=gigpo", "algorithm.mode=mean_std_norm", "algorithm.step_advantage_w=0.0"],
+    "grpo": ["algorithm.adv_estimator=grpo", "algorithm.mode=mean_std_norm"],
+}
+
+
+def _cli(*args: str) -> None:
+    cmd = [sys.executable, "-m", "megatron_gigpo.cli", *args]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    from megatron_gigpo.metrics import read_metrics
+
+    return read_metrics(run_dir)
+
+
+def _val_curve(records: list[dict], key: str) -> dict[int, float]:
+    return {int(r["step"]): float(r[key]) for r in records if key in r}
+
+
+def _hist(record: dict) -> dict[str, float]:
+    return {k.removeprefix("step_group/hist_"): v for k, v in record.items() if k.startswith("step_group/hist_")}
+
+
+def run(args: argparse.Namespace) -> dict:
+    from megatron_gigpo.config import load_config
+
+    out = Path(args.out).resolve()
+    base = [f"trainer.output_dir={out}", "logging.progress_bars=false", *args.overrides]
+    cfg = load_config(args.recipe, base + ["trainer.experiment_name=cold-start"])
+    env = cfg.env.name
+    _cli("sft", args.recipe, *base, "trainer.experiment_name=cold-start")
+    model = out / "cold-start" / "sft" / "hf"
+    val_key = f"val/episode/{env}/success_rate"
+    curves: dict[str, list[dict[int, float]]] = {m: [] for m in METHODS}
+    hists: dict[str, list[tuple[dict, dict]]] = {m: [] for m in METHODS}
+    for seed in range(1, args.seeds + 1):
+        for method, overrides in METHODS.items():
+            name = f"{method}-seed{seed}"
+            if not (out / name / "metrics.jsonl").is_file() or len(_records(out / name)) <= args.iterations:
+                _cli("train", args.recipe, *base, f"trainer.experiment_name={name}", f"model.path={model}",
+                     "model.init=pretrained", "sft.enabled=false", f"trainer.total_iterations={args.iterations}",
+                     f"trainer.seed={seed}", f"env.seed={seed}", "trainer.val_before_train=true",
+                     "checkpoint.save_every=0", *overrides)
+            records = _records(out / name)
+            curves[method].append(_val_curve(records, val_key))
+            train_records = [r for r in records if r["step"] > 0]
+            hists[method].append((_hist(train_records[0]), _hist(train_records[-1])))
+    return {"env": env, "curves": curves, "hists": hists, "out": str(out)}
+
+
+def summarize(result: dict) -> float:
+    curves, out = result["curves"], Path(result["out"])
+    steps = sorted(set.intersection(*(set(c) for cs in curves.values() for c in cs)))
+    print(f"\nheld-out greedy success ({result['env']}), mean +- std over seeds, by iteration")
+    print(f"{'method':<18}" + "".join(f"{s:>14}" for s in steps))
+    table: dict[str, dict[int, tuple[float, float]]] = {}
+    for method, cs in curves.items():
+        table[method] = {s: (float(np.mean([c[s] for c in cs])), float(np.std([c[s] for c in cs]))) for s in steps}
+        print(f"{method:<18}" + "".join(f"{m:>8.3f}+-{sd:<4.2f}" for m, sd in table[method].values()))
+    print("\nstep-group sizes (GiGPO runs, summed over seeds): bucket: first iteration -> last iteration")
+    first = [h[0] for h in result["hists"]["gigpo"]]
+    last = [h[1] for h in result["hists"]["gigpo"]]
+    for bucket in first[0]:
+        print(f"  size {bucket:>6}: {sum(h.get(bucket, 0) for h in first):6.0f} -> {sum(h.get(bucket, 0) for h in last):6.0f}")
+    _plots(table, result, out)
+    final = steps[-1]
+    delta = 100.0 * (table["gigpo"][final][0] - table["grpo"][final][0])
+    (out / "summary.json").write_text(json.dumps({"steps": steps, "table": {m: {str(s): v for s, v in t.items()}
+                                                  for m, t in table.items()}, "gigpo_minus_grpo": delta}, indent=1))
+    return delta
+
+
+def _plots(table: dict, result: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for method, points in table.items():
+        xs = list(points)
+        mean = np.array([points[s][0] for s in xs])
+        std = np.array([points[s][1] for s in xs])
+        ax.plot(xs, mean, marker="o", label=method)
+        ax.fill_between(xs, mean - std, mean + std, alpha=0.15)
+    ax.set(xlabel="RL iteration", ylabel="held-out greedy success", title=f"{result['env']}: GiGPO vs GRPO")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "learning.png", dpi=120)
+    plt.close(fig)
+    first = [h[0] for h in result["hists"]["gigpo"]]
+    last = [h[1] for h in result["hists"]["gigpo"]]
+    buckets = list(first[0])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = np.arange(len(buckets))
+    ax.bar(x - 0.2, [sum(h.get(b, 0) for h in first) for b in buckets], 0.4, label="first iteration")
+    ax.bar(x + 0.2, [sum(h.get(b, 0) for h in last) for b in buckets], 0.4, label="last iteration")
+    ax.set_xticks(x, buckets)
+    ax.set(xlabel="step-group size", ylabel="step groups", title="GiGPO anchor-state groups (Figure 7 view)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "step_groups.png", dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default=str(ROOT / "recipes/cpu/sokoban.yaml"))
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--out", default=str(ROOT / "runs/learning-benchmark"))
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides for every run")
+    args = parser.parse_args()
+    delta = summarize(run(args))
+    print(f"gigpo_minus_grpo={delta:.1f}")
+
+
+if __name__ == "__main__":
+    main()
