@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
 
 import ray
@@ -19,6 +20,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megatron_gigpo.actor.config import ActorConfig
+from megatron_gigpo.deadlines import get_with_deadline
 
 
 class ActorWorker:
@@ -69,11 +71,19 @@ class ActorGroup:
         num_gpus: Ray GPUs of one rank (0 on CPU; a fraction when an engine shares the GPU).
         num_cpus: Ray CPUs of one rank (must fit its bundle).
         env_vars: environment of the rank processes (e.g. thread counts).
+        start_timeout_s: deadline of the start (placement of the rank actors, process group, model build and
+            weight load), seconds.
+        call_timeout_s: default deadline of one call on the ranks (log-probs, update, checkpoint), seconds.
+
+    Raises:
+        megatron_gigpo.deadlines.DeadlineError: a rank did not start in time (the ranks are stopped).
     """
 
     def __init__(self, cfg: ActorConfig, world_size: int, placement_group: PlacementGroup, *, num_gpus: float,
-                 num_cpus: float, env_vars: dict[str, str]):
+                 num_cpus: float, env_vars: dict[str, str], start_timeout_s: float = 1800.0,
+                 call_timeout_s: float = 10800.0):
         remote_cls = ray.remote(ActorWorker)
+        self.call_timeout_s = call_timeout_s
         self.workers = [
             remote_cls.options(
                 num_cpus=num_cpus, num_gpus=num_gpus,
@@ -82,11 +92,22 @@ class ActorGroup:
             ).remote(i, world_size, env_vars)
             for i in range(world_size)
         ]
-        addr, port = ray.get(self.workers[0].address.remote())
-        ray.get([w.init.remote(addr, port, cfg) for w in self.workers])
+        labels = [f"rank {i}" for i in range(world_size)]
+        try:
+            deadline = time.monotonic() + start_timeout_s
+            addr, port = get_with_deadline(self.workers[0].address.remote(), start_timeout_s,
+                                           "actor rank 0 start (MASTER_ADDR)", labels=labels[:1])
+            get_with_deadline([w.init.remote(addr, port, cfg) for w in self.workers],
+                              max(deadline - time.monotonic(), 1e-3),
+                              "actor ranks start (process group, model build, weight load)", labels=labels)
+        except BaseException:
+            self.shutdown()
+            raise
 
-    def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return ray.get([w.call.remote(method, *args, **kwargs) for w in self.workers])
+    def _all(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        refs = [w.call.remote(method, *args, **kwargs) for w in self.workers]
+        return get_with_deadline(refs, timeout_s or self.call_timeout_s, f"PolicyActor.{method} on the actor ranks",
+                                 labels=[f"rank {i}" for i in range(len(refs))])
 
     @staticmethod
     def _first(results: list[Any]) -> Any:
@@ -112,9 +133,15 @@ class ActorGroup:
     def load_checkpoint(self, root: str) -> dict | None:
         return self._first(self._all("load_checkpoint", root))
 
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Run ``PolicyActor.<method>`` on every rank (a collective); returns the per-rank results."""
-        return self._all(method, *args, **kwargs)
+    def call_all(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        """Run ``PolicyActor.<method>`` on every rank (a collective); returns the per-rank results.
+
+        ``timeout_s``: this call's deadline (default: the group's ``call_timeout_s``).
+
+        Raises:
+            megatron_gigpo.deadlines.DeadlineError: some rank did not answer in time.
+        """
+        return self._all(method, *args, timeout_s=timeout_s, **kwargs)
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -197,10 +197,12 @@ class RunContext:
 
         world = cfg.trainer.nnodes * cfg.trainer.devices_per_node
         use_gpu = cfg.trainer.device == "cuda"
-        self.placement = _placement_group(world, use_gpu)
+        timeouts = cfg.trainer.timeouts
+        self.placement = _placement_group(world, use_gpu, timeouts.placement_s)
         self.actors = ActorGroup(actor_config(cfg, model_dir), world, self.placement,
                                  num_gpus=(GPU_RANK_SHARE if _gpu_colocated(cfg) else 1) if use_gpu else 0,
-                                 num_cpus=1 if use_gpu else CPU_RANK_SHARE, env_vars=_rank_env(cfg))
+                                 num_cpus=1 if use_gpu else CPU_RANK_SHARE, env_vars=_rank_env(cfg),
+                                 start_timeout_s=timeouts.actor_start_s, call_timeout_s=timeouts.rank_call_s)
         self._stack.callback(self.actors.shutdown)
         self._resume()
         self.engines = _build_engines(cfg, model_dir, self.placement)
@@ -256,7 +258,7 @@ class RunContext:
 
         metrics = sync_weights(self.actors, self.engines, version=version,
                                bucket_size_bytes=self.cfg.rollout.bucket_size_mb << 20,
-                               mode=self.cfg.rollout.weight_sync_mode)
+                               mode=self.cfg.rollout.weight_sync_mode, timeout_s=self.cfg.trainer.timeouts.weight_sync_s)
         # A float fingerprint of what the engines now serve (the full checksum is checked inside the sync).
         _, checksum = self.engines.weights_version()[0]
         metrics["weight_sync/checksum_fp"] = float(int(checksum[:8], 16))
@@ -329,13 +331,18 @@ def _gpu_colocated(cfg: Config) -> bool:
     return cfg.rollout.weight_sync_mode == "colocated" and cfg.rollout.tensor_parallel_size == 1
 
 
-def _placement_group(world: int, use_gpu: bool):
-    import ray
-    from ray.util.placement_group import placement_group
+def _placement_group(world: int, use_gpu: bool, timeout_s: float):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from megatron_gigpo.deadlines import wait_placement_group
 
     bundle = {"GPU": 1, "CPU": 2} if use_gpu else {"CPU": CPU_RANK_SHARE}
     pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
-    ray.get(pg.ready(), timeout=600)
+    try:
+        wait_placement_group(pg, timeout_s, "placement group of the actor ranks")
+    except BaseException:
+        remove_placement_group(pg)
+        raise
     return pg
 
 
@@ -370,7 +377,8 @@ def _build_engines(cfg: Config, model_dir: Path, placement):
         dtype="float32" if not use_gpu else cfg.model.dtype, max_model_len=r.prompt_length + r.response_length,
         seed=cfg.trainer.seed, gpu_memory_utilization=r.gpu_memory_utilization,
         cpu_kvcache_space_gib=float(r.cpu_kvcache_space_gib), enforce_eager=r.enforce_eager,
-        num_cpus=1.0 if use_gpu else CPU_ENGINE_SHARE,
+        num_cpus=1.0 if use_gpu else CPU_ENGINE_SHARE, start_timeout_s=cfg.trainer.timeouts.engine_start_s,
+        generate_timeout_s=cfg.trainer.timeouts.generate_s, call_timeout_s=cfg.trainer.timeouts.engine_call_s,
     )
     return engines
 
@@ -387,5 +395,5 @@ def _build_collector(cfg: Config, tokenizer, engines):
         e.name, env_kwargs(e), tokenizer, engines, group_size=r.n, num_groups=e.num_groups,
         max_steps=e.max_steps, history_length=e.history_length, max_prompt_length=r.prompt_length,
         sampling=sampling, num_workers=e.num_workers, seed=e.seed, num_cpus_per_worker=0.01,
-        prompt_overflow=r.prompt_overflow,
+        prompt_overflow=r.prompt_overflow, env_call_timeout_s=cfg.trainer.timeouts.env_call_s,
     )
