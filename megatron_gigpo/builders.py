@@ -258,7 +258,8 @@ class RunContext:
 
         metrics = sync_weights(self.actors, self.engines, version=version,
                                bucket_size_bytes=self.cfg.rollout.bucket_size_mb << 20,
-                               mode=self.cfg.rollout.weight_sync_mode, timeout_s=self.cfg.trainer.timeouts.weight_sync_s)
+                               mode=self.cfg.rollout.weight_sync_mode,
+                               timeout_s=self.cfg.trainer.timeouts.weight_sync_s)
         # A float fingerprint of what the engines now serve (the full checksum is checked inside the sync).
         _, checksum = self.engines.weights_version()[0]
         metrics["weight_sync/checksum_fp"] = float(int(checksum[:8], 16))

@@ -23,53 +23,11 @@ from typing import Any
 import yaml
 
 from megatron_gigpo.episodes.prompts import PROMPT_OVERFLOW_POLICIES
+from megatron_gigpo.fields import Range, choice, field_choices, field_errors, leaf_fields, num  # noqa: F401
 
 
 class ConfigError(ValueError):
     """A recipe is malformed or inconsistent. The message names the file and key."""
-
-
-@dataclass(frozen=True)
-class Range:
-    """The allowed values of a numeric setting: an interval, each end open, closed or unbounded (None).
-
-    ``str(Range(gt=0, le=1))`` is ``"in (0, 1]"``; a one-sided range reads ``">= 1"`` or ``"> 0"``. A list
-    setting (``list[int]``) is checked item by item and, with ``length``, for its number of items.
-    """
-
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-    length: int | None = None
-
-    def __contains__(self, value: float) -> bool:
-        return not ((self.ge is not None and not value >= self.ge) or (self.gt is not None and not value > self.gt)
-                    or (self.le is not None and not value <= self.le) or (self.lt is not None and not value < self.lt))
-
-    def __str__(self) -> str:
-        def text(x: float) -> str:
-            return str(int(x)) if float(x).is_integer() else f"{x:g}"
-
-        lo = (f"[{text(self.ge)}", f">= {text(self.ge)}") if self.ge is not None else (
-            (f"({text(self.gt)}", f"> {text(self.gt)}") if self.gt is not None else None)
-        hi = (f"{text(self.le)}]", f"<= {text(self.le)}") if self.le is not None else (
-            (f"{text(self.lt)})", f"< {text(self.lt)}") if self.lt is not None else None)
-        if lo and hi:
-            return f"in {lo[0]}, {hi[0]}"
-        return (lo or hi or ("any number", "any number"))[1]
-
-
-def num(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, ge: float | None = None,
-        gt: float | None = None, le: float | None = None, lt: float | None = None, length: int | None = None) -> Any:
-    """A numeric recipe field with its allowed range (checked by :func:`validate_config`, one check per field)."""
-    return field(default=default, default_factory=factory,
-                 metadata={"range": Range(ge=ge, gt=gt, le=le, lt=lt, length=length)})
-
-
-def choice(default: Any, choices: tuple[str, ...] | typing.Callable[[], typing.Iterable[str]]) -> Any:
-    """A string recipe field with its valid values (a tuple, or a function returning a registry's names)."""
-    return field(default=default, metadata={"choices": choices})
 
 
 MAX_SEED = 2**31 - 1
@@ -110,7 +68,8 @@ class ModelConfig:
     It is a CPU demonstrator (no pretrained knowledge), used with a supervised cold start (``sft``)."""
 
     path: str
-    dtype: str = choice("bfloat16", ("float32", "bfloat16", "float16"))  # params dtype; the CPU path always trains in float32
+    # params dtype; the CPU path always trains in float32
+    dtype: str = choice("bfloat16", ("float32", "bfloat16", "float16"))
     init: str = choice("pretrained", ("pretrained", "random"))
     architecture: ArchitectureConfig = field(default_factory=ArchitectureConfig)
     seed: int = num(0, ge=0, le=MAX_SEED)  # seed of the random initial weights (init: random)
@@ -167,7 +126,7 @@ class SearchConfig:
     index_name: str = "wiki"
     top_k: int = num(3, ge=1)
     # search_r1: `Doc i(Title: t) text` lines | verl_agent: {"result": "Doc i: contents"} JSON (the paper's code)
-    information_format: str = choice("search_r1", ("search_r1", "verl_agent"))  # = search_qa.passages.INFORMATION_FORMATS
+    information_format: str = choice("search_r1", ("search_r1", "verl_agent"))  # = passages.INFORMATION_FORMATS
     train_file: str | None = None
     val_file: str | None = None
 
@@ -573,39 +532,9 @@ def _architecture_errors(a: ArchitectureConfig) -> list[str]:
     return errors
 
 
-def recipe_fields(cls: type = Config, prefix: str = "") -> typing.Iterator[tuple[str, dataclasses.Field, Any]]:
+def recipe_fields(cls: type = Config) -> typing.Iterator[tuple[str, dataclasses.Field, Any]]:
     """Every leaf setting of the recipe tree: ``(dotted key, dataclass field, type)``, depth first."""
-    for f, tp in zip(dataclasses.fields(cls), _field_types(cls).values()):
-        key = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(tp):
-            yield from recipe_fields(tp, key + ".")
-        else:
-            yield key, f, tp
-
-
-def field_choices(f: dataclasses.Field) -> tuple[str, ...] | None:
-    """The valid values of a choice field (its ``choices`` metadata, a registry's names resolved), else None."""
-    allowed = f.metadata.get("choices")
-    return tuple(allowed() if callable(allowed) else allowed) if allowed is not None else None
-
-
-def _field_errors(cfg: Config) -> list[str]:
-    """One check per field, from its metadata: ranges of numbers (item by item for lists), choices of strings."""
-    errors = []
-    for key, f, _ in recipe_fields():
-        value = _lookup(cfg, key)
-        allowed, rng = field_choices(f), f.metadata.get("range")
-        if allowed is not None and value not in allowed:
-            errors.append(f"{key}={value!r} is not one of {', '.join(allowed)}")
-        if rng is None or value is None:
-            continue
-        if isinstance(value, list):
-            if rng.length is not None and len(value) != rng.length:
-                errors.append(f"{key}={value!r} must have {rng.length} items")
-            errors += [f"{key}[{i}]={v!r} must be {rng}" for i, v in enumerate(value) if v not in rng]
-        elif value not in rng:
-            errors.append(f"{key}={value!r} must be {rng}")
-    return errors
+    return leaf_fields(cls)
 
 
 def _lookup(cfg: Config, dotted: str) -> Any:
@@ -617,7 +546,7 @@ def _lookup(cfg: Config, dotted: str) -> Any:
 
 def validate_config(cfg: Config, source: str = "config") -> None:
     """Cross-field checks that need no machine resources. Raises ConfigError naming the keys."""
-    errors = _field_errors(cfg)
+    errors = field_errors(cfg)
     if errors:  # the cross-field checks below assume every field in its range
         raise ConfigError(f"{source}: " + "; ".join(errors))
     a, p, r, t = cfg.algorithm, cfg.parallel, cfg.rollout, cfg.trainer

@@ -194,7 +194,9 @@ class PolicyActor:
         dp_rank = parallel_state.get_data_parallel_rank()
         head = self._head(with_entropy=with_entropy, entropy_grad=False)
         # A rank without rows skips the pass; so does its whole model-parallel group (same data-parallel rank).
-        outputs = run_forward_only(chunks, self._build(batch, plans[dp_rank]), head, self.device) if plans[dp_rank] else []
+        outputs = []
+        if plans[dp_rank]:
+            outputs = run_forward_only(chunks, self._build(batch, plans[dp_rank]), head, self.device)
         fields = ["log_probs"] + (["entropy"] if with_entropy else [])
         # every rank's values, rows in micro-batch order, fields interleaved per token: (tokens, fields)
         sizes = [sum(resp[r] for mb in plan for r in mb) * len(fields) for plan in plans]

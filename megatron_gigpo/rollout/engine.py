@@ -499,8 +499,8 @@ class RolloutEngineGroup:
         Raises:
             megatron_gigpo.deadlines.DeadlineError: an engine did not answer within ``generate_timeout_s``.
         """
-        parts = [(k, e, lo, hi) for k, (e, (lo, hi)) in enumerate(zip(self.engines, self._chunks(len(prompt_token_ids))))
-                 if hi > lo]
+        chunks = zip(self.engines, self._chunks(len(prompt_token_ids)))
+        parts = [(k, e, lo, hi) for k, (e, (lo, hi)) in enumerate(chunks) if hi > lo]
         refs = [e.generate.remote(prompt_token_ids[lo:hi], sampling, index_offset=lo) for _, e, lo, hi in parts]
         labels = [f"engine {k} ({hi - lo} prompts)" for k, _, lo, hi in parts]
         return [result for chunk in self._get(refs, "generate on the rollout engines", self.generate_timeout_s, labels)

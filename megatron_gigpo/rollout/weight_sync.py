@@ -344,8 +344,9 @@ def sync_weights(
         if hasattr(actors, "call_all"):
             results = actors.call_all(method, plan, timeout_s=timeout_s + DRIVER_GRACE_S)
         else:
-            results = get_with_deadline([getattr(a, method).remote(plan) for a in actors], timeout_s + DRIVER_GRACE_S,
-                                        f"{method} on the actor ranks", labels=[f"rank {i}" for i in range(len(actors))])
+            results = get_with_deadline([getattr(a, method).remote(plan) for a in actors],
+                                        timeout_s + DRIVER_GRACE_S, f"{method} on the actor ranks",
+                                        labels=[f"rank {i}" for i in range(len(actors))])
     except ray.exceptions.RayTaskError as exc:
         cause = _remote_error(exc)
         if isinstance(cause, WeightSyncError):
@@ -549,7 +550,8 @@ def push_weights(buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], plan: Sy
     if error is not None:
         if isinstance(error, WeightSyncError):
             raise error
-        raise WeightSyncError(f"weight sync of version {plan.version} failed: {type(error).__name__}: {error}") from error
+        raise WeightSyncError(
+            f"weight sync of version {plan.version} failed: {type(error).__name__}: {error}") from error
     report.total_s = time.perf_counter() - start
     return report
 
