@@ -127,8 +127,7 @@ class EnvWorker:
         self._admissible: dict[int, list[str] | None] = {}
         self._prepare_failed: set[type[Environment]] = set()
         self._node = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        #: an environment call passed its deadline and its thread may still run: the pool replaces this process.
-        self.abandoned_calls = 0
+        self._abandoned_now: dict[int, EnvOutcome] = {}  # slots whose prepare_steps passed the deadline
 
     def pid(self) -> int:
         return os.getpid()
@@ -140,7 +139,6 @@ class EnvWorker:
         """Abandon ``slot`` after a missed deadline (its environment is still in use by the late thread)."""
         self._envs.pop(slot, None)
         self._admissible.pop(slot, None)
-        self.abandoned_calls += 1
         error = (f"environment {call} did not return within its deadline of {self._timeout:g} s "
                  f"(waited {time.monotonic() - started:.1f} s) in worker {self._index}, slot {slot}, on node "
                  f"{self._node} (pid {os.getpid()}); the episode ends as failed")
@@ -215,7 +213,7 @@ class EnvWorker:
     def _prepare_steps(self, pending: list[tuple[int, str]]) -> None:
         """Each environment class's batched ``prepare_steps``; one that passes the deadline fails its slots
         (their environments are still in use by the late call), recorded in ``self._abandoned_now``."""
-        self._abandoned_now: dict[int, EnvOutcome] = {}
+        self._abandoned_now = {}
         by_class: dict[type[Environment], list[tuple[int, str]]] = {}
         for slot, action in pending:
             by_class.setdefault(type(self._envs[slot]), []).append((slot, action))

@@ -394,8 +394,6 @@ def _free_port() -> int:
 
 
 def _broadcast_sender(plan: SyncPlan):
-    import ray
-
     group = _SENDER_GROUPS.get(plan.group_key)
     if group is not None:
         return group
