@@ -114,9 +114,10 @@ def test_weight_sync_into_an_engine_that_stops_answering_fails_at_its_deadline(r
     with pytest.raises(WeightSyncError) as info:
         sync_weights([rank], [engine], version=1, bucket_size_bytes=1 << 20, method="push", timeout_s=10)
     message = str(info.value)
+    node = re.escape(ray.nodes()[0]["NodeManagerAddress"])
     assert re.search(r"begin_weight_update \(version 1\) on the rollout engines: no answer after \d+\.\d s \(deadline "
-                     r"\d+(\.\d)? s\) from 1 call\(s\): engine 0 \(actor _HungEngine [0-9a-f]{8} on node 127\.0\.0\.1 "
-                     r"\(pid \d+, ALIVE\)\)", message), message
+                     r"\d+(\.\d)? s\) from 1 call\(s\): engine 0 \(actor _HungEngine [0-9a-f]{8} on node "
+                     rf"{node} \(pid \d+, ALIVE\)\)", message), message
     ray.kill(engine)
     ray.kill(rank)
 
@@ -130,8 +131,9 @@ def test_get_with_deadline_names_the_actor_node_and_process(ray_session):
     with pytest.raises(DeadlineError) as info:
         get_with_deadline([fast, slow], 2, "nap on the sleepers", labels=["first", "second"])
     message = str(info.value)
+    node = re.escape(ray.nodes()[0]["NodeManagerAddress"])
     assert re.search(r"nap on the sleepers: no answer after \d+\.\d s \(deadline 2 s\) from 1 call\(s\): "
-                     r"second \(actor _Sleeper [0-9a-f]{8} on node 127\.0\.0\.1 \(pid \d+, ALIVE\)\)", message), message
+                     rf"second \(actor _Sleeper [0-9a-f]{{8}} on node {node} \(pid \d+, ALIVE\)\)", message), message
     assert info.value.pending == [p for p in info.value.pending if p.startswith("second")]
     ray.kill(sleeper)
 
