@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any, Sequence
 
 import ray
 
 from megatron_gigpo.actor.config import ActorConfig
+from megatron_gigpo.deadlines import get_with_deadline
 
 
 class ActorWorker:
@@ -65,18 +67,37 @@ class ActorGroup:
         rank_options: one ``.options()`` dict per rank (index = rank; CPU / GPU request and placement-group
             scheduling: :func:`megatron_gigpo.placement.slot_options`); the world size is its length.
         env_vars: environment of the rank processes (e.g. thread counts).
+        start_timeout_s: deadline of the start (placement of the rank actors, process group, model build and
+            weight load), seconds.
+        call_timeout_s: default deadline of one call on the ranks (log-probs, update, checkpoint), seconds.
+
+    Raises:
+        megatron_gigpo.deadlines.DeadlineError: a rank did not start in time (the ranks are stopped).
     """
 
-    def __init__(self, cfg: ActorConfig, rank_options: Sequence[dict[str, Any]], *, env_vars: dict[str, str]):
+    def __init__(self, cfg: ActorConfig, rank_options: Sequence[dict[str, Any]], *, env_vars: dict[str, str],
+                 start_timeout_s: float = 1800.0, call_timeout_s: float = 10800.0):
         remote_cls = ray.remote(ActorWorker)
+        self.call_timeout_s = call_timeout_s
         world_size = len(rank_options)
         self.workers = [remote_cls.options(**options).remote(i, world_size, env_vars)
                         for i, options in enumerate(rank_options)]
-        addr, port = ray.get(self.workers[0].address.remote())
-        ray.get([w.init.remote(addr, port, cfg) for w in self.workers])
+        labels = [f"rank {i}" for i in range(world_size)]
+        try:
+            deadline = time.monotonic() + start_timeout_s
+            addr, port = get_with_deadline(self.workers[0].address.remote(), start_timeout_s,
+                                           "actor rank 0 start (MASTER_ADDR)", labels=labels[:1])
+            get_with_deadline([w.init.remote(addr, port, cfg) for w in self.workers],
+                              max(deadline - time.monotonic(), 1e-3),
+                              "actor ranks start (process group, model build, weight load)", labels=labels)
+        except BaseException:
+            self.shutdown()
+            raise
 
-    def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return ray.get([w.call.remote(method, *args, **kwargs) for w in self.workers])
+    def _all(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        refs = [w.call.remote(method, *args, **kwargs) for w in self.workers]
+        return get_with_deadline(refs, timeout_s or self.call_timeout_s, f"PolicyActor.{method} on the actor ranks",
+                                 labels=[f"rank {i}" for i in range(len(refs))])
 
     @staticmethod
     def _first(results: list[Any]) -> Any:
@@ -102,9 +123,15 @@ class ActorGroup:
     def load_checkpoint(self, root: str) -> dict | None:
         return self._first(self._all("load_checkpoint", root))
 
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Run ``PolicyActor.<method>`` on every rank (a collective); returns the per-rank results."""
-        return self._all(method, *args, **kwargs)
+    def call_all(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        """Run ``PolicyActor.<method>`` on every rank (a collective); returns the per-rank results.
+
+        ``timeout_s``: this call's deadline (default: the group's ``call_timeout_s``).
+
+        Raises:
+            megatron_gigpo.deadlines.DeadlineError: some rank did not answer in time.
+        """
+        return self._all(method, *args, timeout_s=timeout_s, **kwargs)
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -114,10 +114,11 @@ def start_actor_group(cfg: Config, actor_cfg, stack: contextlib.ExitStack):
     from megatron_gigpo.actor_group import ActorGroup
     from megatron_gigpo.placement import create_placement_groups, plan_placement, remove_placement_groups, slot_options
 
-    plan = plan_placement(cfg)
-    groups = create_placement_groups(plan)
+    plan, timeouts = plan_placement(cfg), cfg.trainer.timeouts
+    groups = create_placement_groups(plan, timeout_s=timeouts.placement_s)
     stack.callback(remove_placement_groups, groups)
-    actors = ActorGroup(actor_cfg, [slot_options(groups, s) for s in plan.ranks], env_vars=_rank_env(cfg))
+    actors = ActorGroup(actor_cfg, [slot_options(groups, s) for s in plan.ranks], env_vars=_rank_env(cfg),
+                        start_timeout_s=timeouts.actor_start_s, call_timeout_s=timeouts.rank_call_s)
     stack.callback(actors.shutdown)
     return plan, groups, actors
 
@@ -277,7 +278,8 @@ class RunContext:
 
         metrics = sync_weights(self.actors, self.engines, version=version,
                                bucket_size_bytes=self.cfg.rollout.bucket_size_mb << 20,
-                               mode=self.cfg.rollout.weight_sync_mode)
+                               mode=self.cfg.rollout.weight_sync_mode,
+                               timeout_s=self.cfg.trainer.timeouts.weight_sync_s)
         # A float fingerprint of what the engines now serve (the full checksum is checked inside the sync).
         _, checksum = self.engines.weights_version()[0]
         metrics["weight_sync/checksum_fp"] = float(int(checksum[:8], 16))
@@ -401,7 +403,8 @@ def _build_engines(cfg: Config, model_dir: Path, plan, groups):
         dtype="float32" if not use_gpu else cfg.model.dtype, max_model_len=r.prompt_length + r.response_length,
         seed=cfg.trainer.seed, gpu_memory_utilization=r.gpu_memory_utilization,
         cpu_kvcache_space_gib=float(r.cpu_kvcache_space_gib), enforce_eager=r.enforce_eager,
-        num_cpus=plan.engines[0].host.num_cpus,
+        num_cpus=plan.engines[0].host.num_cpus, start_timeout_s=cfg.trainer.timeouts.engine_start_s,
+        generate_timeout_s=cfg.trainer.timeouts.generate_s, call_timeout_s=cfg.trainer.timeouts.engine_call_s,
     )
 
 
@@ -416,7 +419,7 @@ def _build_collector(cfg: Config, tokenizer, engines):
     return EpisodeCollector(
         e.name, env_kwargs(e), tokenizer, engines, group_size=r.n, num_groups=e.num_groups,
         max_steps=e.max_steps, sampling=sampling, num_workers=e.num_workers, seed=e.seed, num_cpus_per_worker=0.01,
-        prompt_overflow=r.prompt_overflow, **step_prompt_settings(cfg),
+        prompt_overflow=r.prompt_overflow, **step_prompt_settings(cfg), env_call_timeout_s=cfg.trainer.timeouts.env_call_s,
     )
 
 

@@ -124,15 +124,15 @@ def split_rows_balanced(lengths: Sequence[int], parts: int) -> list[list[int]]:
 
     Greedy longest-processing-time: rows longest first, each to the group with the fewest tokens (ties:
     fewer rows, then lower group index). Deterministic, so every rank computes the same split. Each
-    group's indices are returned sorted.
+    group's indices are returned sorted. Every group gets a row while rows last: with fewer rows than parts
+    the last ``parts - len(lengths)`` groups are empty (the actor runs a zero-weight stand-in row there, so
+    that such a rank still takes part in the collectives).
 
     Raises:
-        ValueError: ``parts < 1`` or fewer rows than parts (a data-parallel rank would get no row).
+        ValueError: ``parts < 1``.
     """
     if parts < 1:
         raise ValueError(f"parts={parts} must be >= 1")
-    if len(lengths) < parts:
-        raise ValueError(f"{len(lengths)} rows cannot be split over {parts} data-parallel ranks")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     groups: list[list[int]] = [[] for _ in range(parts)]
     tokens = [0] * parts

@@ -144,8 +144,11 @@ class PolicyActor:
         Returns:
             per row, float32 (R_i,) on the CPU, identical on every rank.
 
+        A data-parallel rank left without rows (fewer rows than ranks) runs no forward pass and receives the
+        others' results.
+
         Raises:
-            ValueError: ``reference=True`` without a reference model, or fewer rows than data-parallel ranks.
+            ValueError: ``reference=True`` without a reference model.
         """
         log_probs, _ = self._forward(batch, reference=reference, with_entropy=False)
         return log_probs
@@ -190,14 +193,18 @@ class PolicyActor:
         plans = [self._plan(share, lengths, budget) for share in self._dp_shares(lengths, range(len(lengths)))]
         dp_rank = parallel_state.get_data_parallel_rank()
         head = self._head(with_entropy=with_entropy, entropy_grad=False)
-        outputs = run_forward_only(chunks, self._build(batch, plans[dp_rank]), head, self.device)
+        # A rank without rows skips the pass; so does its whole model-parallel group (same data-parallel rank).
+        outputs = []
+        if plans[dp_rank]:
+            outputs = run_forward_only(chunks, self._build(batch, plans[dp_rank]), head, self.device)
         fields = ["log_probs"] + (["entropy"] if with_entropy else [])
         # every rank's values, rows in micro-batch order, fields interleaved per token: (tokens, fields)
         sizes = [sum(resp[r] for mb in plan for r in mb) * len(fields) for plan in plans]
         flat = torch.zeros(sizes[dp_rank], dtype=torch.float32)
         if outputs:  # last pipeline stage
             flat = torch.cat([torch.stack([out[f] for f in fields], dim=-1).reshape(-1) for out in outputs])
-        flat = self._broadcast_from_last_stage(flat)
+        if sizes[dp_rank]:
+            flat = self._broadcast_from_last_stage(flat)
         results = {f: [None] * len(lengths) for f in fields}
         for plan, values in zip(plans, self._all_gather_dp(flat, sizes)):
             values = values.view(-1, len(fields))
@@ -222,7 +229,7 @@ class PolicyActor:
     def _all_gather_dp(self, flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
         if len(sizes) == 1:
             return [flat]
-        longest = max(sizes)
+        longest = max(max(sizes), 1)
         buf = torch.zeros(longest, dtype=torch.float32, device=self.device)
         buf[: flat.numel()] = flat.to(self.device)
         parts = [torch.empty_like(buf) for _ in sizes]
@@ -256,6 +263,11 @@ class PolicyActor:
             ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` for ``vanilla``, ``nll`` for ``nll``),
             ``actor/lr`` of the last step and ``actor/num_optimizer_steps``.
 
+        A mini-batch with fewer rows than data-parallel ranks (the short last one of an epoch, or a batch of
+        one row) still takes one optimizer step on every rank: a rank without rows runs a stand-in row whose
+        loss is multiplied by zero (:attr:`MiniBatchPlan.stand_in`), so the gradient reduction and the optimizer
+        collectives see every rank and the step equals that of the real rows alone.
+
         Raises:
             ValueError: inputs disagree with the batch (row count, response lengths, missing reference).
         """
@@ -275,10 +287,14 @@ class PolicyActor:
         for _ in range(self.config.ppo_epochs):
             for mini in split_mini_batches(len(lengths), self.config.ppo_mini_batch_size, generator):
                 mine = self._dp_shares(lengths, mini)[dp_rank]
+                stand_in = not mine
+                if stand_in:  # fewer rows than data-parallel ranks: the shortest row, weighted zero
+                    mine = [min(mini, key=lambda r: (lengths[r], r))]
                 plan = MiniBatchPlan(
                     micro_batches=self._build(batch, self._plan(mine, lengths, self.config.micro_batch_tokens)),
                     total_tokens=sum(resp[r] for r in mini),
                     total_sequences=sum(1 for r in mini if resp[r] > 0),
+                    stand_in=stand_in,
                 )
                 per_step.append(
                     train_mini_batch(

@@ -69,11 +69,15 @@ class MiniBatchPlan:
         micro_batches: this data-parallel rank's micro-batches (``rows`` index the whole batch).
         total_tokens: response tokens of the mini-batch over all data-parallel ranks.
         total_sequences: rows with at least one response token, over all data-parallel ranks.
+        stand_in: this rank has no row of the mini-batch (fewer rows than data-parallel ranks); its one
+            micro-batch is a row of another rank whose loss is multiplied by zero, so that this rank still runs
+            the forward, backward, gradient reduction and optimizer collectives and contributes nothing.
     """
 
     micro_batches: list[MicroBatch]
     total_tokens: int
     total_sequences: int
+    stand_in: bool = False
 
 
 def _pad(values: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -91,8 +95,9 @@ def _policy_loss_head(
     hidden: torch.Tensor,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Megatron loss function of one micro-batch (last pipeline stage)."""
-    if mb.num_response_tokens == 0:
-        # only empty responses: nothing to learn, but Megatron's backward needs a loss attached to the graph
+    if mb.num_response_tokens == 0 or plan.stand_in:
+        # only empty responses, or a stand-in row: nothing to learn, but Megatron's backward needs a loss
+        # attached to the graph (a zero gradient, reduced with the other ranks' real ones)
         return hidden.sum() * 0.0, {}
     device = hidden.device
     log_probs, entropy = response_log_probs(gpt, hidden, mb, head)  # (N,), (N,)

@@ -202,8 +202,9 @@ class EpisodeCollector:
         num_workers: environment worker actors.
         seed: base seed of the environment resets (see :func:`reset_seed`).
         num_cpus_per_worker: Ray CPUs reserved per environment worker.
-        env_call_timeout_s: seconds a worker may spend on one reset/step batch before it is killed and its
-            episodes fail; None waits forever.
+        env_call_timeout_s: deadline in seconds of one environment reset or step; a late call ends that
+            episode as failed, like a crash, and the collection goes on (see
+            :mod:`megatron_gigpo.episodes.workers`).
         env_factory: picklable zero-argument callable building one environment, replacing the registry
             (custom environments); when given, ``env_kwargs`` must be empty.
         prompt_style: the template style of ``env_name`` (recipe ``env.prompt_template``; one of
@@ -237,7 +238,7 @@ class EpisodeCollector:
         num_workers: int,
         seed: int,
         num_cpus_per_worker: float = 1.0,
-        env_call_timeout_s: float | None = None,
+        env_call_timeout_s: float = 300.0,
         env_factory: EnvFactory | None = None,
         prompt_style: str = DEFAULT_PROMPT_STYLE,
         prompt_template: PromptTemplate | None = None,
@@ -338,7 +339,7 @@ class EpisodeCollector:
         for task in tasks:
             if task.env != self.env_name:
                 raise ValueError(f"collect: task {task.task_id!r} is for env {task.env!r}, not {self.env_name!r}")
-        failures_before = self.pool.worker_failures
+        failures_before, timeouts_before = self.pool.worker_failures, self.pool.env_timeouts
         timing = {"timing/reset_s": 0.0, "timing/render_s": 0.0, "timing/generate_s": 0.0, "timing/env_step_s": 0.0}
         start = time.perf_counter()
         episodes = self._reset(tasks, n, iteration, validation)
@@ -368,6 +369,7 @@ class EpisodeCollector:
         metrics.update(step_group_metrics(batch.uid, batch.anchor))
         metrics.update(stats.metrics())
         metrics["workers/failures"] = float(self.pool.worker_failures - failures_before)
+        metrics["workers/env_timeouts"] = float(self.pool.env_timeouts - timeouts_before)
         metrics.update(timing)
         metrics["timing/collect_s"] = time.perf_counter() - start
         return batch, metrics

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
+from megatron_gigpo.deadlines import get_with_deadline
 from megatron_gigpo.rollout.transport import BucketLayout
 from megatron_gigpo.rollout.weight_sync import WeightSpec, WeightSyncError, read_checkpoint_spec
 from megatron_gigpo.rollout.checksum import combine_digests
@@ -457,15 +458,21 @@ class RolloutEngineGroup:
         num_engines: K >= 1.
         ray_options: extra ``.options()`` for every engine actor (e.g. a placement-group strategy), or a list
             with one dict per engine (the placement plan's :func:`megatron_gigpo.placement.engine_options`).
+        start_timeout_s: deadline of the engines' start (placement, weight load, KV-cache allocation), seconds.
+        generate_timeout_s: deadline of one :meth:`generate` / :meth:`compute_log_probs` batch, seconds.
+        call_timeout_s: deadline of the other calls (sleep, wake-up, version and tokenizer queries), seconds.
         **engine_kwargs: :class:`EngineConfig` fields (tensor_parallel_size, dtype, max_model_len, seed,
             gpu_memory_utilization, cpu_kvcache_space_gib, enforce_eager, ...).
 
     Raises:
         ValueError: num_engines < 1, a ``ray_options`` list of another length, or a bad :class:`EngineConfig` field.
+        megatron_gigpo.deadlines.DeadlineError: an engine did not start in time (the message names it, its
+            node, or that no node had its resources); every engine is stopped.
     """
 
     def __init__(self, model_path: str, num_engines: int = 1, *,
-                 ray_options: dict[str, Any] | Sequence[dict[str, Any]] | None = None, **engine_kwargs: Any):
+                 ray_options: dict[str, Any] | Sequence[dict[str, Any]] | None = None, start_timeout_s: float = 900.0,
+                 generate_timeout_s: float = 3600.0, call_timeout_s: float = 600.0, **engine_kwargs: Any):
         import ray
 
         if num_engines < 1:
@@ -473,27 +480,45 @@ class RolloutEngineGroup:
         per_engine = [ray_options or {}] * num_engines if not isinstance(ray_options, Sequence) else list(ray_options)
         if len(per_engine) != num_engines:
             raise ValueError(f"ray_options has {len(per_engine)} entries for num_engines={num_engines}")
+        self.generate_timeout_s, self.call_timeout_s = generate_timeout_s, call_timeout_s
         self.config = EngineConfig(model_path=str(model_path), **engine_kwargs)
         self.engines = [RolloutEngine.launch(self.config, **options) for options in per_engine]
+
+        def resources() -> str:
+            return (f"engine .options(): {per_engine}, num_cpus={self.config.num_cpus}; cluster resources "
+                    f"available: {ray.available_resources()}")
+
+        refs = [e.ready.remote() for e in self.engines]
         try:
-            ray.get([e.ready.remote() for e in self.engines])
+            get_with_deadline(refs, start_timeout_s, "vLLM rollout engine start", labels=self._labels(),
+                              context=resources)
         except BaseException:
-            self.shutdown()
+            # Only engines that started have vLLM processes to stop; an unplaced or hung one is killed at once.
+            ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+            self.shutdown(started=[ref in ready for ref in refs])
             raise
+
+    def _labels(self, suffix: str = "") -> list[str]:
+        return [f"engine {k}{suffix}" for k in range(len(self.engines))]
+
+    def _get(self, refs: list, what: str, timeout_s: float, labels: list[str] | None = None) -> list:
+        return get_with_deadline(refs, timeout_s, what, labels=labels or self._labels())
 
     def __len__(self) -> int:
         return len(self.engines)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[GenerationResult]:
-        """Split the batch into K contiguous chunks (sizes differ by at most one), generate, concatenate."""
-        import ray
+        """Split the batch into K contiguous chunks (sizes differ by at most one), generate, concatenate.
 
-        refs = [
-            engine.generate.remote(prompt_token_ids[lo:hi], sampling, index_offset=lo)
-            for engine, (lo, hi) in zip(self.engines, self._chunks(len(prompt_token_ids)))
-            if hi > lo
-        ]
-        return [result for chunk in ray.get(refs) for result in chunk]
+        Raises:
+            megatron_gigpo.deadlines.DeadlineError: an engine did not answer within ``generate_timeout_s``.
+        """
+        chunks = zip(self.engines, self._chunks(len(prompt_token_ids)))
+        parts = [(k, e, lo, hi) for k, (e, (lo, hi)) in enumerate(chunks) if hi > lo]
+        refs = [e.generate.remote(prompt_token_ids[lo:hi], sampling, index_offset=lo) for _, e, lo, hi in parts]
+        labels = [f"engine {k} ({hi - lo} prompts)" for k, _, lo, hi in parts]
+        return [result for chunk in self._get(refs, "generate on the rollout engines", self.generate_timeout_s, labels)
+                for result in chunk]
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         """K contiguous [lo, hi) ranges covering n items, sizes differing by at most one."""
@@ -503,38 +528,34 @@ class RolloutEngineGroup:
 
     def compute_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
         """:meth:`RolloutEngine.compute_log_probs`, split over the engines like :meth:`generate`."""
-        import ray
-
-        refs = [e.compute_log_probs.remote(sequences[lo:hi])
-                for e, (lo, hi) in zip(self.engines, self._chunks(len(sequences))) if hi > lo]
-        return [row for chunk in ray.get(refs) for row in chunk]
+        parts = [(k, e, lo, hi) for k, (e, (lo, hi)) in enumerate(zip(self.engines, self._chunks(len(sequences))))
+                 if hi > lo]
+        refs = [e.compute_log_probs.remote(sequences[lo:hi]) for _, e, lo, hi in parts]
+        labels = [f"engine {k} ({hi - lo} sequences)" for k, _, lo, hi in parts]
+        return [row for chunk in self._get(refs, "log-probs on the rollout engines", self.generate_timeout_s, labels)
+                for row in chunk]
 
     def tokenizer_info(self) -> TokenizerInfo:
-        import ray
-
-        return ray.get(self.engines[0].tokenizer_info.remote())
+        return self._get([self.engines[0].tokenizer_info.remote()], "tokenizer_info of a rollout engine",
+                         self.call_timeout_s, self._labels()[:1])[0]
 
     def weights_version(self) -> list[tuple[int, str | None]]:
         """``(version, checksum)`` per engine."""
-        import ray
-
-        return ray.get([e.weights_version.remote() for e in self.engines])
+        return self._get([e.weights_version.remote() for e in self.engines], "weights_version of the rollout engines",
+                         self.call_timeout_s)
 
     def sleep(self) -> None:
-        import ray
-
-        ray.get([e.sleep.remote() for e in self.engines])
+        self._get([e.sleep.remote() for e in self.engines], "sleep of the rollout engines", self.call_timeout_s)
 
     def wake_up(self) -> None:
+        self._get([e.wake_up.remote() for e in self.engines], "wake_up of the rollout engines", self.call_timeout_s)
+
+    def shutdown(self, started: Sequence[bool] | None = None) -> None:
+        """Stop vLLM in every engine (or in those flagged in ``started``), then kill the engine actors."""
         import ray
 
-        ray.get([e.wake_up.remote() for e in self.engines])
-
-    def shutdown(self) -> None:
-        """Stop vLLM in every engine, then kill the engine actors."""
-        import ray
-
-        refs = [e.shutdown.remote() for e in self.engines]
+        flags = list(started) if started is not None else [True] * len(self.engines)
+        refs = [e.shutdown.remote() for e, up in zip(self.engines, flags) if up]
         try:
             ray.get(refs, timeout=60)
         except Exception as exc:  # noqa: BLE001 - a dead or stuck engine must not stop the others' shutdown

@@ -14,8 +14,9 @@ One sync, driven by :func:`sync_weights` on the controller:
    with the checksum of what it staged, loads the weights in place only if they match, resets its prefix
    cache (stale KV blocks), and reports ``(version, checksum)``; the source checks the reports.
 
-Any failure (bad name or shape, missing tensor, checksum mismatch, transport error) aborts the update on
-every engine, which keep serving their previous weights, and raises :class:`WeightSyncError`.
+Any failure (bad name or shape, missing tensor, checksum mismatch, transport error, an engine that does not
+answer within the sync's deadline ``timeout_s``) aborts the update on every engine, which keep serving their
+previous weights, and raises :class:`WeightSyncError`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from megatron_gigpo.deadlines import get_with_deadline
 from megatron_gigpo.rollout.checksum import combine_digests, tensor_digest, weights_checksum
 from megatron_gigpo.rollout.transport import (
     SharedMemoryPool,
@@ -169,7 +171,8 @@ class SyncPlan:
         max_inflight_buckets: buckets sent but not yet acknowledged by the engines (bounds memory).
         reuse_shm: keep the ``shm`` bucket files for the next sync (faster; holds the model's bytes of
             shared memory on the source node between syncs), else close them after each bucket is staged.
-        timeout_s: broadcast group timeout.
+        timeout_s: deadline of the whole sync on the source rank (every wait on an engine and the broadcast
+            group's timeout), seconds.
     """
 
     engines: tuple[Any, ...]
@@ -221,6 +224,20 @@ class SyncReport:
         return out
 
 
+# The controller waits this much longer than the sync's own deadline, so that the source rank's error (which
+# names the engine that did not answer) arrives before the controller's own time-out.
+DRIVER_GRACE_S = 120.0
+ABORT_TIMEOUT_S = 60.0
+
+
+def _engine_labels(plan: SyncPlan) -> list[str]:
+    return [f"engine {i}" for i in range(len(plan.engines))]
+
+
+def _remaining(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 1e-3)
+
+
 def _remote_error(exc: BaseException) -> BaseException:
     """The engine-side exception inside a Ray error, when there is one."""
     cause = getattr(exc, "cause", None)
@@ -236,6 +253,7 @@ def prepare_sync(
     mode: str = "colocated",
     source_rank: int = 0,
     max_inflight_buckets: int = 2,
+    timeout_s: float = 600.0,
 ) -> SyncPlan:
     """Build the :class:`SyncPlan` (asks every engine for its spec, worker count and node).
 
@@ -248,13 +266,13 @@ def prepare_sync(
         mode: ``"colocated"`` or ``"disaggregated"`` (used by ``"auto"``).
         source_rank: the export's destination rank.
         max_inflight_buckets: >= 1.
+        timeout_s: the sync's deadline in seconds (:attr:`SyncPlan.timeout_s`); also this call's.
 
     Raises:
         ValueError: bad argument value.
         WeightSyncError: the engines disagree on their spec.
+        megatron_gigpo.deadlines.DeadlineError: an engine did not answer within ``timeout_s``.
     """
-    import ray
-
     handles = tuple(getattr(engines, "engines", engines))
     if not handles:
         raise ValueError("sync_weights needs at least one engine")
@@ -268,7 +286,8 @@ def prepare_sync(
         transport = ("cuda_ipc" if cuda else "shm") if mode == "colocated" else "broadcast"
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r}; expected 'auto' or one of {TRANSPORTS}")
-    infos = ray.get([e.sync_info.remote() for e in handles])
+    infos = get_with_deadline([e.sync_info.remote() for e in handles], timeout_s, "sync_info of the rollout engines",
+                              labels=[f"engine {i}" for i in range(len(handles))])
     spec = infos[0]["spec"]
     for i, info in enumerate(infos[1:], start=1):
         if info["spec"] != spec:
@@ -284,6 +303,7 @@ def prepare_sync(
         source_rank=source_rank,
         broadcast_backend="nccl" if cuda else "gloo",
         max_inflight_buckets=max_inflight_buckets,
+        timeout_s=float(timeout_s),
     )
 
 
@@ -296,6 +316,7 @@ def sync_weights(
     transport: str = "auto",
     mode: str = "colocated",
     method: str = "push_weights",
+    timeout_s: float = 600.0,
 ) -> dict[str, float]:
     """Push the actor's current weights into every engine as ``version``; returns ``weight_sync/*`` metrics.
 
@@ -307,19 +328,25 @@ def sync_weights(
         engines: a :class:`~megatron_gigpo.rollout.engine.RolloutEngineGroup` or engine handles.
         version, bucket_size_bytes, transport, mode: see :func:`prepare_sync`.
         method: name of the per-rank method.
+        timeout_s: deadline of the sync on the source rank, seconds (the ranks' call gets ``DRIVER_GRACE_S``
+            more, so that the source rank's error naming the engine arrives first).
 
     Raises:
-        WeightSyncError: the sync failed; every engine still serves its previous weights.
+        WeightSyncError: the sync failed (an engine that did not answer in time included); every engine still
+            serves its previous weights.
+        megatron_gigpo.deadlines.DeadlineError: an engine or an actor rank did not answer at all.
     """
     import ray
 
     plan = prepare_sync(engines, version=version, bucket_size_bytes=bucket_size_bytes, transport=transport,
-                        mode=mode)
+                        mode=mode, timeout_s=timeout_s)
     try:
         if hasattr(actors, "call_all"):
-            results = actors.call_all(method, plan)
+            results = actors.call_all(method, plan, timeout_s=timeout_s + DRIVER_GRACE_S)
         else:
-            results = ray.get([getattr(a, method).remote(plan) for a in actors])
+            results = get_with_deadline([getattr(a, method).remote(plan) for a in actors],
+                                        timeout_s + DRIVER_GRACE_S, f"{method} on the actor ranks",
+                                        labels=[f"rank {i}" for i in range(len(actors))])
     except ray.exceptions.RayTaskError as exc:
         cause = _remote_error(exc)
         if isinstance(cause, WeightSyncError):
@@ -367,8 +394,6 @@ def _free_port() -> int:
 
 
 def _broadcast_sender(plan: SyncPlan):
-    import ray
-
     group = _SENDER_GROUPS.get(plan.group_key)
     if group is not None:
         return group
@@ -380,7 +405,7 @@ def _broadcast_sender(plan: SyncPlan):
         for e, off in zip(plan.engines, offsets)
     ]
     group = broadcast_group(host, port, 0, world, plan.broadcast_backend, plan.timeout_s)
-    ray.get(refs)
+    get_with_deadline(refs, plan.timeout_s, "engines joining the weight broadcast group", labels=_engine_labels(plan))
     _SENDER_GROUPS[plan.group_key] = group
     return group
 
@@ -487,17 +512,23 @@ def push_weights(buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], plan: Sy
             pass
         return None
     start = time.perf_counter()
+    deadline = time.monotonic() + plan.timeout_s
+    labels = _engine_labels(plan)
     report = SyncReport(plan.version, "", 0, 0, 0)
     error: BaseException | None = None
     sender: _Sender | None = None
     try:
-        ray.get([e.begin_weight_update.remote(plan.version) for e in plan.engines])
+        get_with_deadline([e.begin_weight_update.remote(plan.version) for e in plan.engines], _remaining(deadline),
+                          f"begin_weight_update (version {plan.version}) on the rollout engines", labels=labels)
         sender = _Sender(plan)
-        digests = _send_all(buckets, plan, sender, report)
+        digests = _send_all(buckets, plan, sender, report, deadline)
         plan.spec.check_complete(set(digests))
         report.checksum = combine_digests(digests)
         tick = time.perf_counter()
-        results = ray.get([e.commit_weight_update.remote(plan.version, report.checksum) for e in plan.engines])
+        results = get_with_deadline(
+            [e.commit_weight_update.remote(plan.version, report.checksum) for e in plan.engines],
+            _remaining(deadline), f"commit_weight_update (version {plan.version}) on the rollout engines",
+            labels=labels)
         report.commit_s = time.perf_counter() - tick
         for i, (version, checksum) in enumerate(results):
             if (version, checksum) != (plan.version, report.checksum):
@@ -517,7 +548,8 @@ def push_weights(buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], plan: Sy
     if error is not None:
         if isinstance(error, WeightSyncError):
             raise error
-        raise WeightSyncError(f"weight sync of version {plan.version} failed: {error!r}") from error
+        raise WeightSyncError(
+            f"weight sync of version {plan.version} failed: {type(error).__name__}: {error}") from error
     report.total_s = time.perf_counter() - start
     return report
 
@@ -529,14 +561,13 @@ def _abort(buckets, plan: SyncPlan) -> None:
     for _ in buckets:
         pass
     try:
-        ray.get([e.abort_weight_update.remote() for e in plan.engines])
-    except ray.exceptions.RayError as exc:  # a dead engine must not hide the sync's own error
-        log.warning("abort_weight_update failed on an engine: %r", exc)
+        get_with_deadline([e.abort_weight_update.remote() for e in plan.engines], ABORT_TIMEOUT_S,
+                          "abort_weight_update on the rollout engines", labels=_engine_labels(plan))
+    except (ray.exceptions.RayError, TimeoutError) as exc:  # a dead or hung engine must not hide the sync's error
+        log.warning("abort_weight_update failed on an engine: %s", exc)
 
 
-def _send_all(buckets, plan: SyncPlan, sender: _Sender, report: SyncReport) -> dict[str, bytes]:
-    import ray
-
+def _send_all(buckets, plan: SyncPlan, sender: _Sender, report: SyncReport, deadline: float) -> dict[str, bytes]:
     digests: dict[str, bytes] = {}
     seen: set[str] = set()
     inflight: deque = deque()  # (refs, keepalive, flat)
@@ -546,7 +577,8 @@ def _send_all(buckets, plan: SyncPlan, sender: _Sender, report: SyncReport) -> d
             refs, keepalive, _ = inflight.popleft()
             tick = time.perf_counter()
             try:
-                ray.get(refs)
+                get_with_deadline(refs, _remaining(deadline), f"receive_bucket (version {plan.version}) on the "
+                                  "rollout engines", labels=_engine_labels(plan))
             finally:
                 sender.done(keepalive)
             report.send_s += time.perf_counter() - tick

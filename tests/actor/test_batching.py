@@ -50,12 +50,12 @@ def test_plan_sorts_longest_first_and_counts_padding():
 @settings(max_examples=60, deadline=None)
 @given(lengths=lengths_strategy, parts=st.integers(min_value=1, max_value=4))
 def test_split_rows_balanced(lengths, parts):
-    if len(lengths) < parts:
-        with pytest.raises(ValueError, match="data-parallel"):
-            split_rows_balanced(lengths, parts)
-        return
     groups = split_rows_balanced(lengths, parts)
-    assert len(groups) == parts and all(groups)
+    assert len(groups) == parts
+    if len(lengths) < parts:  # one row per group while rows last, then empty groups
+        assert [len(g) for g in groups] == [1] * len(lengths) + [0] * (parts - len(lengths))
+        return
+    assert all(groups)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
     tokens = [sum(lengths[i] for i in g) for g in groups]
     # greedy LPT: the fullest group exceeds the emptiest by at most one row

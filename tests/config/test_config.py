@@ -233,11 +233,12 @@ def test_saved_config_is_world_readable(tmp_path):
 
 
 def test_search_information_format_reaches_the_environment(tmp_path, shared_dir):
-    from megatron_gigpo.config import CHOICES
+    from megatron_gigpo.config import field_choices, recipe_fields
     from megatron_gigpo.env_settings import env_kwargs
     from megatron_gigpo.envs.search_qa.passages import INFORMATION_FORMATS
 
-    assert CHOICES["env.search.information_format"] == INFORMATION_FORMATS
+    fields = {key: f for key, f, _ in recipe_fields()}
+    assert field_choices(fields["env.search.information_format"]) == INFORMATION_FORMATS
     # The search recipes follow verl-agent (the paper's code); the environment's own default is Search-R1's.
     assert load_config(RECIPES / "search_qa/qwen2.5-3b-instruct.yaml").env.search.information_format == "verl_agent"
     wiki = shared_dir / "data" / "search_qa" / "wiki18_sample_1000.jsonl"

@@ -213,6 +213,24 @@ def test_worker_crash_ends_one_episode_not_the_run(tiny_tokenizer, engine_group,
         assert metrics["workers/failures"] == 0 and len(set(batch.traj_id)) == 4
 
 
+def test_environment_step_past_its_deadline_ends_one_episode_not_the_run(tiny_tokenizer, engine_group, tmp_path):
+    """Two slots per worker: the slot whose step sleeps past env_call_timeout_s fails, its neighbour goes on."""
+    from fault_envs import FaultySokoban
+
+    tasks = load_tasks("train", 2)
+    factory = functools.partial(FaultySokoban, str(tmp_path / "hang"), "hang")
+    with _collector(tiny_tokenizer, engine_group, env_factory=factory, num_workers=2,
+                    env_call_timeout_s=10) as collector:
+        batch, metrics = collector.collect(tasks, iteration=0)
+        assert metrics["workers/env_timeouts"] == 1 and metrics["episode/failed"] == 1
+        assert metrics["workers/failures"] == 0
+        [failed] = batch.extras["failed_traj_ids"]
+        assert "did not return within its deadline of 10 s" in batch.extras["failures"][failed]
+        assert failed not in batch.traj_id and len(set(batch.traj_id)) == 3
+        batch, metrics = collector.collect(tasks, iteration=1)
+        assert metrics["workers/env_timeouts"] == 0 and len(set(batch.traj_id)) == 4
+
+
 def test_group_members_that_reset_differently_fail_loudly(tiny_tokenizer, engine_group):
     from fault_envs import UnseededSokoban
 

@@ -74,13 +74,11 @@ def test_env_exception_fails_only_its_episode(ray_local, tmp_path):
         pool.close()
 
 
-@pytest.mark.parametrize("mode", ["exit", "hang"])
-def test_dead_or_hung_worker_fails_its_episodes_and_is_replaced(ray_local, tmp_path, mode):
+def test_dead_worker_fails_its_episodes_and_is_replaced(ray_local, tmp_path):
     from fault_envs import FaultySokoban
 
-    marker = tmp_path / "fault"
-    factory = functools.partial(FaultySokoban, str(marker), mode)
-    pool = EnvWorkerPool(factory, 2, num_cpus_per_worker=0.25, call_timeout_s=10 if mode == "hang" else 120)
+    factory = functools.partial(FaultySokoban, str(tmp_path / "fault"), "exit")
+    pool = EnvWorkerPool(factory, 2, num_cpus_per_worker=0.25, call_timeout_s=120)
     try:
         assert all(o.ok for o in pool.reset(_group_requests(load_tasks("train", 2), 2)))
         outcomes = pool.step({i: STEP_TEXT for i in range(4)})
@@ -94,3 +92,46 @@ def test_dead_or_hung_worker_fails_its_episodes_and_is_replaced(ray_local, tmp_p
         assert all(o.ok for o in pool.step({i: STEP_TEXT for i in range(4)}).values())
     finally:
         pool.close()
+
+
+def test_environment_step_past_its_deadline_ends_only_its_episode(ray_local, tmp_path):
+    """A step that sleeps for an hour fails its own episode at the 10 s deadline; the other slot of the same
+    worker still steps, and the next reset replaces that worker (which ends the stray thread)."""
+    import time
+
+    import ray
+    from fault_envs import FaultySokoban
+
+    marker = tmp_path / "fault"
+    factory = functools.partial(FaultySokoban, str(marker), "hang")
+    # 10 s: the first reset of a worker builds its environments (imports gym) under the same deadline.
+    pool = EnvWorkerPool(factory, 2, num_cpus_per_worker=0.25, call_timeout_s=10)
+    try:
+        assert all(o.ok for o in pool.reset(_group_requests(load_tasks("train", 2), 2)))
+        pids = [ray.get(pool.worker_handle(w).pid.remote()) for w in range(2)]
+        start = time.monotonic()
+        outcomes = pool.step({i: STEP_TEXT for i in range(4)})
+        waited = time.monotonic() - start
+        failed = [i for i, o in outcomes.items() if not o.ok]
+        assert len(failed) == 1, {i: o.error for i, o in outcomes.items()}
+        late = outcomes[failed[0]]
+        assert late.timed_out and not late.worker_died
+        hung_pid = int(marker.read_text())
+        worker, slot = pool.placement(failed[0])
+        assert pids[worker] == hung_pid
+        assert (f"environment step did not return within its deadline of 10 s" in late.error
+                and f"in worker {worker}, slot {slot}, on node " in late.error and f"(pid {hung_pid})" in late.error)
+        assert waited < 600  # the environment sleeps 3600 s: the pool did not wait for it
+        assert (pool.env_timeouts, pool.worker_failures) == (1, 0)
+        # Next collection: the worker that ran the late call is a fresh process; everything works again.
+        assert all(o.ok for o in pool.reset(_group_requests(load_tasks("train", 2), 2)))
+        assert ray.get(pool.worker_handle(worker).pid.remote()) != hung_pid
+        assert ray.get(pool.worker_handle(1 - worker).pid.remote()) == pids[1 - worker]
+        assert all(o.ok for o in pool.step({i: STEP_TEXT for i in range(4)}).values())
+    finally:
+        pool.close()
+
+
+def test_pool_refuses_waiting_forever():
+    with pytest.raises(ValueError, match="call_timeout_s must be a positive, finite number"):
+        EnvWorkerPool(SOKOBAN, 1, num_cpus_per_worker=0.25, call_timeout_s=None)

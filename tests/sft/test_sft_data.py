@@ -111,12 +111,15 @@ def test_recipe_sft_section_is_checked():
 
     cfg = load_config(ROOT / "recipes/smoke/cpu.yaml", ["sft.train_file=demos.jsonl"])
     assert cfg.sft.train_file == "demos.jsonl" and cfg.sft.epochs >= 1
-    bad = ["sft.val_fraction=1.0", "sft.batch_size=0", "sft.min_lr=1.0", "sft.lr_decay_style=step",
+    bad = ["sft.val_fraction=1.0", "sft.batch_size=0", "sft.lr_decay_style=step",
            "sft.max_length=1", "sft.save_every=-1", "sft.loss_agg_mode=sum"]
     with pytest.raises(ConfigError) as err:
         load_config(ROOT / "recipes/smoke/cpu.yaml", bad)
-    for key in ("sft.val_fraction=1.0", "sft.batch_size=0", "sft.min_lr=1.0", "sft.lr_decay_style='step'",
+    for key in ("sft.val_fraction=1.0", "sft.batch_size=0", "sft.lr_decay_style='step'",
                 "sft.max_length=1", "sft.save_every=-1", "sft.loss_agg_mode='sum'"):
         assert key in str(err.value), key
+    # cross-field checks run once every field is in its range
+    with pytest.raises(ConfigError, match=r"sft.min_lr=1.0 must be <= sft.lr="):
+        load_config(ROOT / "recipes/smoke/cpu.yaml", ["sft.min_lr=1.0"])
     with pytest.raises(ConfigError, match="unknown key 'sft.epoch'; did you mean 'sft.epochs'"):
         load_config(ROOT / "recipes/smoke/cpu.yaml", ["sft.epoch=2"])

@@ -1,0 +1,106 @@
+"""Settings that carry their own check: the allowed range of a number or the valid values of a string, stated
+next to the default in the dataclass field (``field(metadata=...)``), and one generic checker for a whole tree of
+such dataclasses (used by :func:`megatron_gigpo.config.validate_config` on the recipe).
+
+Example::
+
+    @dataclass
+    class RolloutConfig:
+        top_p: float = num(1.0, gt=0, le=1)          # refused outside (0, 1]
+        weight_sync_mode: str = choice("colocated", ("colocated", "disaggregated"))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Range", "num", "choice", "field_choices", "leaf_fields", "field_errors"]
+
+
+@dataclass(frozen=True)
+class Range:
+    """The allowed values of a numeric setting: an interval, each end open, closed or unbounded (None).
+
+    ``str(Range(gt=0, le=1))`` is ``"in (0, 1]"``; a one-sided range reads ``">= 1"`` or ``"> 0"``. A list
+    setting (``list[int]``) is checked item by item and, with ``length``, for its number of items. NaN is in
+    no range.
+    """
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    length: int | None = None
+
+    def __contains__(self, value: float) -> bool:
+        return not ((self.ge is not None and not value >= self.ge) or (self.gt is not None and not value > self.gt)
+                    or (self.le is not None and not value <= self.le) or (self.lt is not None and not value < self.lt))
+
+    def __str__(self) -> str:
+        def text(x: float) -> str:
+            return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+        lo = (f"[{text(self.ge)}", f">= {text(self.ge)}") if self.ge is not None else (
+            (f"({text(self.gt)}", f"> {text(self.gt)}") if self.gt is not None else None)
+        hi = (f"{text(self.le)}]", f"<= {text(self.le)}") if self.le is not None else (
+            (f"{text(self.lt)})", f"< {text(self.lt)}") if self.lt is not None else None)
+        if lo and hi:
+            return f"in {lo[0]}, {hi[0]}"
+        return (lo or hi or ("any number", "any number"))[1]
+
+
+def num(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, ge: float | None = None,
+        gt: float | None = None, le: float | None = None, lt: float | None = None, length: int | None = None) -> Any:
+    """A numeric dataclass field (or list of numbers, with ``factory``) with its allowed range."""
+    return field(default=default, default_factory=factory,
+                 metadata={"range": Range(ge=ge, gt=gt, le=le, lt=lt, length=length)})
+
+
+def choice(default: Any, choices: tuple[str, ...] | Callable[[], Iterable[str]]) -> Any:
+    """A string dataclass field with its valid values: a tuple, or a function returning them (a registry's
+    names, read when checked, so that the registry's module is imported only then)."""
+    return field(default=default, metadata={"choices": choices})
+
+
+def field_choices(f: dataclasses.Field) -> tuple[str, ...] | None:
+    """The valid values of a choice field, else None."""
+    allowed = f.metadata.get("choices")
+    return tuple(allowed() if callable(allowed) else allowed) if allowed is not None else None
+
+
+def leaf_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any]]:
+    """Every leaf field of a tree of dataclasses: ``(dotted key, field, resolved type)``, depth first."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, key = hints[f.name], f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(tp):
+            yield from leaf_fields(tp, key + ".")
+        else:
+            yield key, f, tp
+
+
+def field_errors(obj: Any) -> list[str]:
+    """One message per value of ``obj`` (a dataclass tree) outside its field's range or choices, naming the
+    dotted key, the value and what is allowed (``"rollout.top_p=2.0 must be in (0, 1]"``); None values and
+    fields without metadata are not checked."""
+    errors = []
+    for key, f, _ in leaf_fields(type(obj)):
+        value = obj
+        for part in key.split("."):
+            value = getattr(value, part)
+        allowed, rng = field_choices(f), f.metadata.get("range")
+        if allowed is not None and value not in allowed:
+            errors.append(f"{key}={value!r} is not one of {', '.join(allowed)}")
+        if rng is None or value is None:
+            continue
+        if isinstance(value, list):
+            if rng.length is not None and len(value) != rng.length:
+                errors.append(f"{key}={value!r} must have {rng.length} items")
+            errors += [f"{key}[{i}]={v!r} must be {rng}" for i, v in enumerate(value) if v not in rng]
+        elif value not in rng:
+            errors.append(f"{key}={value!r} must be {rng}")
+    return errors
