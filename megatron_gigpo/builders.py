@@ -174,7 +174,28 @@ def epoch_order(pool: int, seed: int, start: int, count: int) -> list[int]:
     return out
 
 
-class RunContext:
+class StartedStack:
+    """A context manager whose ``_start()`` registers what it starts on ``self._stack`` (an ExitStack): entering
+    runs ``_start()``, leaving, or a failed start, closes the stack (stops everything, newest first)."""
+
+    _stack: contextlib.ExitStack
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            self._start()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+
+class RunContext(StartedStack):
     """The live parts of one run. Use as a context manager; everything is stopped on exit.
 
     Args:
@@ -195,17 +216,6 @@ class RunContext:
         self._stack = contextlib.ExitStack()
 
     # ---------------------------------------------------------------- lifetime
-    def __enter__(self) -> "RunContext":
-        try:
-            self._start()
-        except BaseException:
-            self._stack.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stack.close()
-
     def _start(self) -> None:
         from transformers import AutoTokenizer
 

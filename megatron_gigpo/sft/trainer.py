@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from megatron_gigpo.builders import StartedStack
 from megatron_gigpo.config import Config, ConfigError
 
 __all__ = ["SFTTrainer", "run_sft", "sft_dir", "finished_model", "sft_actor_config", "epoch_batches"]
@@ -95,7 +96,7 @@ def _held_out_loss(actors, rows) -> dict[str, float]:
     return {"val/loss": float(-total.mean()), "val/num_tokens": float(total.numel())}
 
 
-class SFTTrainer:
+class SFTTrainer(StartedStack):
     """One SFT run. Use as a context manager (Ray, the actor ranks and the metric sinks stop on exit), then
     :meth:`fit`. ``trainer.actors`` (an :class:`~megatron_gigpo.actor_group.ActorGroup`) and
     ``trainer.train_rows`` / ``trainer.val_rows`` stay usable inside the ``with`` block.
@@ -117,17 +118,6 @@ class SFTTrainer:
         self.progress = self.bar = None
         self.skipped_rows = 0
         self._stack = contextlib.ExitStack()
-
-    def __enter__(self) -> "SFTTrainer":
-        try:
-            self._start()
-        except BaseException:
-            self._stack.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stack.close()
 
     # ---------------------------------------------------------------- start
     def _load_data(self, tokenizer) -> None:
