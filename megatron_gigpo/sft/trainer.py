@@ -28,7 +28,6 @@ import hashlib
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
