@@ -4,7 +4,6 @@
 #   bash scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0
 export MEGATRON_GIGPO_SERVICES_DIR=${MEGATRON_GIGPO_SERVICES_DIR:-$(mktemp -d /tmp/megatron-gigpo-services.XXXXXX)}
 

@@ -42,7 +42,8 @@ def tokenless_client() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     proc = subprocess.run([sys.executable, "-c", TOKENLESS_CLIENT, ray.get_runtime_context().gcs_address],
                           env=env, capture_output=True, text=True, timeout=180)
-    return {"rc": proc.returncode, "refused": "InvalidAuthToken" in proc.stderr, "connected": "CONNECTED" in proc.stdout}
+    return {"rc": proc.returncode, "refused": "InvalidAuthToken" in proc.stderr,
+            "connected": "CONNECTED" in proc.stdout}
 
 
 def main(mode: str) -> None:
