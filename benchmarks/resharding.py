@@ -34,11 +34,6 @@ from typing import Any
 
 import torch
 
-RAY_ENV = {
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-}
 QWEN2_SHAPE = dict(hidden_size=640, intermediate_size=1792, num_hidden_layers=24, num_attention_heads=10,
                    num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)
 
@@ -216,40 +211,41 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
 
-    os.environ.update(RAY_ENV)
     import ray
 
     from megatron_gigpo.models.builtin import cache_root, resolve_model_path
+    from megatron_gigpo.ray_setup import local_ray_env
 
     smollm2 = resolve_model_path("builtin:smollm2-135m-instruct")
     root = cache_root() / "models"
     qwen2 = qwen2_shaped_model(root, smollm2)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     out: dict[str, Any] = {"dtype": args.dtype, "bucket_mb": args.bucket_mb}
-    try:
-        if args.part in ("all", "sync"):
-            out["sync"] = [bench_sync("SmolLM2-135M", smollm2, 1, 2, args),
-                           bench_sync("Qwen2-shaped-137M", qwen2, 2, 1, args)]
-            print(f"\nweight sync ({args.dtype} transfer, {args.bucket_mb} MiB buckets, median of {args.repeats}):")
-            print(f"{'model':<20}{'actor':<9}{'MB':>6}{'sync s':>8}{'copy s cold/warm':>18}"
-                  f"{'ratio cold/warm':>17}{'transport/warm':>16}   breakdown (s)")
-            for row in out["sync"]:
-                parts = " ".join(f"{k.removesuffix('_s')}={v:.2f}" for k, v in row["parts"].items()
-                                 if k not in ("total_s", "gb_per_s"))
-                print(f"{row['model']:<20}{row['layout']:<9}{row['bytes'] / 1e6:>6.0f}{row['sync_s']:>8.2f}"
-                      f"{row['copy_cold_s']:>10.3f}/{row['copy_warm_s']:.3f}"
-                      f"{row['ratio_cold']:>9.1f}x/{row['ratio_warm']:.1f}x"
-                      f"{row['transport_ratio_warm']:>15.1f}x   {parts}")
-            print("target: sync <= 3x copy. 'transport' = pack + hash + send (this package's part); export is "
-                  "Megatron's TP/PP gather, commit is the engines' checksum check + vLLM's in-place reload.")
-        if args.part in ("all", "throughput"):
-            out["throughput"] = bench_throughput(smollm2, args)
-            t = out["throughput"]
-            print(f"\nrollout throughput (SmolLM2-135M, {t['prompts']} prompts x {args.max_tokens} tokens):")
-            print(f"engine actor {t['actor_tok_s']:.0f} tok/s, vLLM direct {t['direct_tok_s']:.0f} tok/s, "
-                  f"ratio {t['ratio']:.0%} (target >= 80%)")
-    finally:
-        ray.shutdown()
+    with local_ray_env():  # token auth with this run's own token, removed afterwards
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        try:
+            if args.part in ("all", "sync"):
+                out["sync"] = [bench_sync("SmolLM2-135M", smollm2, 1, 2, args),
+                               bench_sync("Qwen2-shaped-137M", qwen2, 2, 1, args)]
+                print(f"\nweight sync ({args.dtype} transfer, {args.bucket_mb} MiB buckets, median of {args.repeats}):")
+                print(f"{'model':<20}{'actor':<9}{'MB':>6}{'sync s':>8}{'copy s cold/warm':>18}"
+                      f"{'ratio cold/warm':>17}{'transport/warm':>16}   breakdown (s)")
+                for row in out["sync"]:
+                    parts = " ".join(f"{k.removesuffix('_s')}={v:.2f}" for k, v in row["parts"].items()
+                                     if k not in ("total_s", "gb_per_s"))
+                    print(f"{row['model']:<20}{row['layout']:<9}{row['bytes'] / 1e6:>6.0f}{row['sync_s']:>8.2f}"
+                          f"{row['copy_cold_s']:>10.3f}/{row['copy_warm_s']:.3f}"
+                          f"{row['ratio_cold']:>9.1f}x/{row['ratio_warm']:.1f}x"
+                          f"{row['transport_ratio_warm']:>15.1f}x   {parts}")
+                print("target: sync <= 3x copy. 'transport' = pack + hash + send (this package's part); export is "
+                      "Megatron's TP/PP gather, commit is the engines' checksum check + vLLM's in-place reload.")
+            if args.part in ("all", "throughput"):
+                out["throughput"] = bench_throughput(smollm2, args)
+                t = out["throughput"]
+                print(f"\nrollout throughput (SmolLM2-135M, {t['prompts']} prompts x {args.max_tokens} tokens):")
+                print(f"engine actor {t['actor_tok_s']:.0f} tok/s, vLLM direct {t['direct_tok_s']:.0f} tok/s, "
+                      f"ratio {t['ratio']:.0%} (target >= 80%)")
+        finally:
+            ray.shutdown()
     if args.json:
         tmp = args.json.with_suffix(".tmp")
         tmp.write_text(json.dumps(out, indent=2))

@@ -21,13 +21,6 @@ from megatron_gigpo.logs import ray_runtime_env
 
 log = logging.getLogger(__name__)
 
-RAY_ENV = {
-    # Same auth mode everywhere: an in-process ray.init otherwise writes ~/.ray/auth_token and later heads hang.
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-}
-# Only for a local Ray: keeps the single node on 127.0.0.1 (it would break multi-node address lookups).
-LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 def actor_config(cfg: Config, model_dir: Path):
@@ -64,22 +57,32 @@ def actor_config(cfg: Config, model_dir: Path):
 def init_ray(cfg: Config) -> dict[str, float]:
     """Connect to ``RAY_ADDRESS`` (a cluster, e.g. from slurm/train.sbatch) or start a local Ray.
 
+    Token authentication either way (:mod:`megatron_gigpo.ray_setup`): a local Ray gets a fresh token file
+    that is removed when this process exits; a cluster needs the token that the environment provides.
+
     Returns ``ray.cluster_resources()``.
+    Raises:
+        RayAuthError: no token, a refused token, or a bad ``MEGATRON_GIGPO_RAY_AUTH``.
     """
+    import atexit
+
     import ray
 
-    local = "RAY_ADDRESS" not in os.environ
-    for key, value in (RAY_ENV | LOCAL_RAY_ENV if local else RAY_ENV).items():
-        os.environ.setdefault(key, value)
+    from megatron_gigpo.ray_setup import connect_ray, local_ray_env
+
     if not ray.is_initialized():
         # Worker output: INFO to runs/<experiment>/logs/, warnings and errors to the terminal (megatron_gigpo.logs).
         runtime_env = ray_runtime_env(cfg.run_dir / "logs")
-        runtime_env["env_vars"] |= {k: os.environ[k] for k in RAY_ENV}
         if "RAY_ADDRESS" in os.environ:
-            ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env)
+            connect_ray(os.environ["RAY_ADDRESS"], runtime_env=runtime_env)
         else:
+            # The token lives as long as this process (the run); removed at exit, after RunContext's shutdown.
+            local = contextlib.ExitStack()
+            env_vars = local.enter_context(local_ray_env())
+            atexit.register(local.close)
             # Logical CPUs: one per actor rank, engine and environment worker; CPU work is shared anyway.
             slots = cfg.trainer.devices_per_node + cfg.rollout.num_engines + cfg.env.num_workers + 2
+            runtime_env["env_vars"] |= env_vars
             ray.init(num_cpus=max(os.cpu_count() or 1, slots), include_dashboard=False,
                      runtime_env=runtime_env, logging_level=logging.WARNING)
     return ray.cluster_resources()
@@ -387,7 +390,9 @@ class RunContext(StartedStack):
 
 
 def _rank_env(cfg: Config) -> dict[str, str]:
-    env = {k: os.environ[k] for k in RAY_ENV}
+    from megatron_gigpo.ray_setup import worker_env
+
+    env = worker_env()
     if cfg.trainer.device == "cpu":
         # Ranks share the machine's cores with the engines and environments; avoid oversubscription.
         threads = max(1, (os.cpu_count() or 1) // cfg.trainer.devices_per_node)

@@ -12,7 +12,7 @@ OUT=${OUT:-/tmp/device_check}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "installing .whl/ failed: run scripts/device_wheels.sh here first"; exit 2; }
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, 'triton', triton.__version__, 'mcore', m.__version__)"
 status=0

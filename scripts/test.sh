@@ -12,7 +12,6 @@ if [[ ! -d "$shared_dir" ]]; then
     "the reference-parity, ALFWorld and search-QA tests need it" >&2
   exit 2
 fi
-export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0
 export MEGATRON_GIGPO_SERVICES_DIR=${MEGATRON_GIGPO_SERVICES_DIR:-$(mktemp -d /tmp/megatron-gigpo-services.XXXXXX)}
 

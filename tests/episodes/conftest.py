@@ -8,20 +8,15 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
+from megatron_gigpo.ray_setup import local_ray_env
 
-# Ray settings for tests on one small machine (see BRIEF): no auth token file, one node on 127.0.0.1,
-# no graceful drain on shutdown.
-RAY_TEST_ENV = {
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-}
+HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
 def ray_local() -> Iterator[None]:
-    """A fresh local Ray (4 logical CPUs on the real cores) for one test module, shut down after it.
+    """A fresh local Ray (4 logical CPUs on the real cores, token auth with its own token) for one test
+    module, shut down after it.
 
     Worker processes get this folder on PYTHONPATH so that they can import ``fault_envs``.
     """
@@ -30,9 +25,7 @@ def ray_local() -> Iterator[None]:
     if ray.is_initialized():
         pytest.fail("Ray is already initialised by another test; it must shut down its instance")
     pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in RAY_TEST_ENV.items():
-            mp.setenv(key, value)
+    with pytest.MonkeyPatch.context() as mp, local_ray_env():
         mp.setenv("PYTHONPATH", pythonpath)
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
         try:

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from megatron_gigpo.config import load_config
+from megatron_gigpo.ray_setup import local_ray_env
 from megatron_gigpo.placement import (
     PlacementPlan,
     create_placement_groups,
@@ -43,7 +44,6 @@ REPO = HERE.parents[1]
 RECIPES = REPO / "recipes"
 NODES, GPUS_PER_NODE, CPUS_PER_NODE = 2, 8, 20
 TIMEOUT_S = 120.0
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 # A layout no recipe ships: disaggregated GPU engines (whole GPUs) with a TP-2 engine beside the ranks.
 DISAGGREGATED = ("sokoban/qwen2.5-1.5b-instruct.yaml",
                  ["trainer.devices_per_node=4", "rollout.weight_sync_mode=disaggregated", "rollout.num_engines=1",
@@ -115,15 +115,15 @@ def stand_in_cluster():
         pytest.skip("the `ray` command is not installed")
     root = Path(tempfile.mkdtemp(prefix="rpl", dir="/tmp"))  # short: Ray's socket paths must stay < 108 chars
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
-    env |= RAY_ENV | {"PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), env.get("PYTHONPATH", "")])}
     procs: list[subprocess.Popen] = []
     deadline = time.monotonic() + TIMEOUT_S
     try:
-        with pytest.MonkeyPatch.context() as mp:
-            for key, value in RAY_ENV.items():
-                mp.setenv(key, value)
+        # Token authentication as every run has it: one fresh token for the nodes and the driver.
+        with local_ray_env(), pytest.MonkeyPatch.context() as mp:
             mp.delenv("RAY_ADDRESS", raising=False)
+            mp.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)  # two nodes on 127.0.0.1 and 127.0.0.2
+            env = dict(os.environ) | {"PYTHONPATH": os.pathsep.join([str(REPO), str(HERE),
+                                                                     os.environ.get("PYTHONPATH", "")])}
             for i in range(NODES):
                 args = ["ray", "start", "--block", f"--num-cpus={CPUS_PER_NODE}", f"--num-gpus={GPUS_PER_NODE}",
                         f"--resources={json.dumps({f'stand_in_node_{i}': 1})}", f"--temp-dir={root}/n{i}",
@@ -144,6 +144,7 @@ def stand_in_cluster():
                     pytest.fail(f"the stand-in cluster did not come up with {NODES} nodes:\n{logs}")
                 time.sleep(0.5)
             yield
+            ray.shutdown()  # before the token is removed
     finally:
         ray.shutdown()
         _stop(procs, root)

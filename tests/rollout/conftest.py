@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_testlib import RAY_ENV
+from megatron_gigpo.ray_setup import local_ray_env
 from tiny_models import make_tiny_hf_model
 
 HERE = Path(__file__).resolve().parent
@@ -15,15 +15,14 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.fixture(scope="module")
 def ray_session():
-    """A local Ray instance for one test module; Ray workers can import the test helper modules."""
-    with pytest.MonkeyPatch.context() as patch:
-        for key, value in RAY_ENV.items():
-            patch.setenv(key, value)
-        import ray
+    """A local Ray instance (token auth, its own token) for one test module; Ray workers can import the test
+    helper modules."""
+    import ray
 
+    with local_ray_env() as env:
         path = os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": path, **RAY_ENV}})
+                 runtime_env={"env_vars": {"PYTHONPATH": path, **env}})
         try:
             yield ray
         finally:

@@ -4,12 +4,6 @@ from __future__ import annotations
 
 import torch
 
-# Ray 2.60 on one box: no auth token file, one node on 127.0.0.1, fast shutdown (see notes/BRIEF.md).
-RAY_ENV = {
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-}
 # Engine actors: quiet vLLM; small fixed settings so engines and Megatron ranks fit beside other tests.
 ENGINE_KWARGS = dict(
     max_model_len=256,

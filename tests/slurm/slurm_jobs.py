@@ -73,6 +73,29 @@ def wait_job(job_id: str, out_dir: Path, timeout_s: float) -> JobResult:
     return JobResult(job_id, fields["JobState"], int(fields["ExitCode"].split(":")[0]), output)
 
 
+def wait_output_line(job_id: str, out_dir: Path, prefix: str, timeout_s: float) -> str:
+    """The first line of the running job's output that starts with ``prefix``; fails the test (and cancels
+    the job) when the job ends or ``timeout_s`` passes first."""
+    output_file = out_dir / f"{job_id}.out"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        output = output_file.read_text() if output_file.exists() else ""
+        for line in output.splitlines():
+            if line.startswith(prefix):
+                return line
+        fields = _job_fields(job_id)
+        if fields is None or fields.get("JobState") in TERMINAL_STATES:
+            pytest.fail(f"job {job_id} ended before printing {prefix!r}; output:\n{output}")
+        time.sleep(1)
+    subprocess.run(["scancel", job_id], timeout=30, check=False)
+    pytest.fail(f"job {job_id} printed no {prefix!r} within {timeout_s:.0f}s; cancelled")
+
+
+def job_paths(job_id: str) -> list[Path]:
+    """What train.sbatch keeps under /tmp for the job: the node dirs, the log dir and the token dir."""
+    return sorted(Path("/tmp").glob(f"ray-j{job_id}[nla]*"))
+
+
 def ray_processes_of_job(job_id: str) -> list[str]:
     """Command lines of processes that still use the job's Ray temp dirs (/tmp/ray-j<id>n<i>): raylet, GCS,
     workers, `ray start`."""
@@ -94,6 +117,7 @@ def wait_no_ray_processes(job_id: str, timeout_s: float = 30) -> list[str]:
 
 
 def remove_ray_dirs(job_id: str) -> None:
-    """The job's Ray dirs under /tmp, which train.sbatch keeps after a failure."""
-    for path in Path("/tmp").glob(f"ray-j{job_id}[nl]*"):
+    """The job's Ray dirs under /tmp, which train.sbatch keeps after a failure (and a token dir, which it
+    never should)."""
+    for path in job_paths(job_id):
         shutil.rmtree(path, ignore_errors=True)

@@ -1,19 +1,26 @@
 """slurm/train.sbatch on a real Slurm cluster (scripts/slurm_up.sh): Ray on Slurm, then the driver.
 
 The Ray-on-Slurm tests replace the driver with tests/slurm/ray_probe.py (MEGATRON_GIGPO_DRIVER), which reports
-the cluster it sees; the last test runs the real CPU smoke recipe for one iteration.
+the cluster it sees; the last test runs the real CPU smoke recipe for one iteration. Every job runs with Ray
+token authentication (one token per job) unless a test opts out.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
+import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from megatron_gigpo.metrics import read_metrics
-from slurm_jobs import JobResult, remove_ray_dirs, submit, wait_job, wait_no_ray_processes
+from slurm_jobs import (
+    REPO, JobResult, job_paths, remove_ray_dirs, submit, wait_job, wait_no_ray_processes, wait_output_line,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -39,6 +46,12 @@ def run_job(tmp_path: Path, sbatch_args: list[str], script_args: list[str], env:
     return wait_job(job_id, tmp_path, JOB_TIMEOUT_S)
 
 
+def token_auth(job_id: str, node_index: int) -> dict:
+    """What the probe reports for a process that uses node ``node_index``'s copy of the job's token."""
+    return {"auth_mode": "token", "token_path": f"/tmp/ray-j{job_id}n{node_index}/auth_token",
+            "token_file_mode": "0o600", "token_in_env": False}
+
+
 def test_ray_head_on_one_node_runs_the_driver_and_stops(slurm_cluster, tmp_path):
     args = [RECIPE, "trainer.total_iterations=1", "trainer.experiment_name=a b"]
     result = run_job(tmp_path, ["--partition=debug"], args, {"MEGATRON_GIGPO_DRIVER": PROBE})
@@ -52,8 +65,12 @@ def test_ray_head_on_one_node_runs_the_driver_and_stops(slurm_cluster, tmp_path)
     assert report["cpus"] == partition_cpus("debug")  # --num-cpus from SLURM_CPUS_ON_NODE
     assert report["gpus"] == 0
     assert report["task_slurm_job_ids"] == [result.job_id]  # Ray's workers run inside the job's step
+    # Token auth: the driver reads the job's token file, the worker its node's copy; both 0600.
+    assert report["driver_auth"] == {"auth_mode": "token", "token_path": f"/tmp/ray-j{result.job_id}auth/auth_token",
+                                     "token_file_mode": "0o600", "token_in_env": False}
+    assert report["task_auth"] == [token_auth(result.job_id, 0)]
     assert wait_no_ray_processes(result.job_id) == []
-    assert not list(Path("/tmp").glob(f"ray-j{result.job_id}[nl]*")), "Ray dirs are removed after success"
+    assert not job_paths(result.job_id), "Ray dirs and the token are removed after success"
 
 
 def test_ray_workers_join_from_every_node_with_their_gpus(slurm_cluster, tmp_path):
@@ -71,7 +88,10 @@ def test_ray_workers_join_from_every_node_with_their_gpus(slurm_cluster, tmp_pat
     assert report["cpus"] == 2 * partition_cpus("multinode")
     assert report["gpus"] == 2  # --num-gpus from SLURM_GPUS_ON_NODE on every node
     assert len(report["task_nodes"]) == 2  # work ran on both nodes
+    # Each node's Ray got the job's token through its srun step and keeps its own 0600 copy.
+    assert report["task_auth"] == [token_auth(result.job_id, 0), token_auth(result.job_id, 1)]
     assert wait_no_ray_processes(result.job_id) == []
+    assert not job_paths(result.job_id)
 
 
 def test_invalid_override_fails_before_ray_starts(slurm_cluster, tmp_path):
@@ -92,6 +112,141 @@ def test_driver_failure_is_the_job_exit_code_and_ray_still_stops(slurm_cluster, 
         assert probe_report(result)["nodes"] == 1
         assert "Ray logs kept in" in result.output, result.describe()
         assert wait_no_ray_processes(result.job_id) == []
+        kept = job_paths(result.job_id)
+        assert kept and not any(p.name.endswith("auth") for p in kept), kept  # logs kept, token dir removed
+        assert not list(Path("/tmp").glob(f"ray-j{result.job_id}n*/auth_token")), "node copies removed too"
+    finally:
+        remove_ray_dirs(result.job_id)
+
+
+# Clients of the job's head started from outside the job, each in its own process with an empty HOME and no
+# token variables but those given: a plain ray.init (a driver on the GCS port, or Ray Client on the head's
+# ray:// port) and megatron-gigpo's connect_ray.
+CLIENT = """
+import logging, sys
+if sys.argv[2].startswith("ray://"):  # Ray Client logs why the server turned it away at debug level only
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("ray.util.client.worker").setLevel(logging.DEBUG)
+if sys.argv[1] == "plain":
+    import ray
+    ray.init(address=sys.argv[2], logging_level="ERROR")
+    ray.get(ray.remote(lambda: 1).remote(), timeout=60)
+else:
+    from megatron_gigpo.ray_setup import connect_ray
+    connect_ray(sys.argv[2], logging_level="ERROR")
+print("CONNECTED", flush=True)
+"""
+RAY_CLIENT_PORT = 10001  # `ray start --head` serves Ray Client there by default
+
+
+def start_client(kind: str, address: str, home: Path, **env: str) -> subprocess.Popen:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "MEGATRON_GIGPO_RAY_AUTH"))}
+    # One-node job: its head listens on 127.0.0.1 only; the pin keeps the client on loopback too.
+    base |= {"HOME": str(home), "PYTHONPATH": str(REPO), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **env}
+    return subprocess.Popen([sys.executable, "-c", CLIENT, kind, address], env=base, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish(client: subprocess.Popen) -> tuple[int, str]:
+    try:
+        out, err = client.communicate(timeout=240)  # Ray retries a refused token for ~20 s
+    except subprocess.TimeoutExpired:
+        client.kill()
+        out, err = client.communicate()
+        pytest.fail(f"a Ray client still waits after 240 s (a hang):\n{out}\n{err[-3000:]}")
+    return client.returncode, out + err
+
+
+def secret_seen_outside_its_files(token: str, job_id: str) -> list[str]:
+    """Where the token shows besides its files: command lines (ps) of any process, the environment of the
+    job's Ray processes, the job's Ray logs and session files."""
+    found = []
+    marker = f"/ray-j{job_id}"
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if token in cmdline:
+            found.append(f"command line of pid {proc.info['pid']}")
+        if marker in cmdline:
+            try:
+                if any(token in v for v in proc.environ().values()):
+                    found.append(f"environment of pid {proc.info['pid']}")
+            except psutil.Error:
+                pass
+    for path in job_paths(job_id):
+        for file in [path] if path.is_file() else path.rglob("*"):
+            if file.is_file() and not file.is_symlink() and file.name != "auth_token" and file.stat().st_size < 50e6:
+                if token.encode() in file.read_bytes():
+                    found.append(str(file))
+    return found
+
+
+def test_job_head_refuses_clients_without_the_job_token(slurm_cluster, tmp_path):
+    release = tmp_path / "release"
+    env = {"MEGATRON_GIGPO_DRIVER": f"{PROBE} --hold={release}", "MEGATRON_GIGPO_VALIDATE": ""}
+    job_id = submit(["--partition=debug"], [RECIPE], tmp_path, env)
+    try:
+        report = json.loads(wait_output_line(job_id, tmp_path, "RAY_PROBE ", JOB_TIMEOUT_S).removeprefix("RAY_PROBE "))
+        address = report["ray_address"]
+        token_file = Path(f"/tmp/ray-j{job_id}auth/auth_token")
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        assert stat.S_IMODE(token_file.parent.stat().st_mode) == 0o700
+        token = token_file.read_text()
+        assert len(token) == 64
+
+        home = tmp_path / "home"
+        home.mkdir()
+        (tmp_path / "wrong").write_text("0" * 64)
+        ray_client = f"ray://{address.rsplit(':', 1)[0]}:{RAY_CLIENT_PORT}"
+        refused = {
+            "no token": start_client("plain", address, home),
+            "wrong token": start_client("connect", address, home, RAY_AUTH_TOKEN_PATH=str(tmp_path / "wrong")),
+            "ray client, no token": start_client("plain", ray_client, home),
+        }
+        results = {name: finish(client) for name, client in refused.items()}
+        rc, out = results["no token"]
+        assert rc != 0 and "InvalidAuthToken" in out and "CONNECTED" not in out, out[-3000:]
+        rc, out = results["wrong token"]
+        assert rc != 0 and f"the Ray cluster at {address} refused this process" in out, out[-3000:]
+        assert "RAY_AUTH_TOKEN_PATH=<file holding it>" in out and "CONNECTED" not in out
+        rc, out = results["ray client, no token"]  # the server's own verdict, not a timeout
+        assert rc != 0 and "Invalid or missing authentication token" in out and "CONNECTED" not in out, out[-3000:]
+        # The control, after the others (less load): the same client gets in with the job's token. (Not done for
+        # Ray Client: its server starts a driver process per client, which fails at random on a loaded machine.)
+        rc, out = finish(start_client("connect", address, home, RAY_AUTH_TOKEN_PATH=str(token_file)))
+        assert rc == 0 and "CONNECTED" in out, out[-3000:]
+        assert secret_seen_outside_its_files(token, job_id) == []
+    finally:
+        release.touch()
+    result = wait_job(job_id, tmp_path, JOB_TIMEOUT_S)
+    try:
+        assert (result.state, result.exit_code) == ("COMPLETED", 0), result.describe()
+        assert token not in result.output
+        assert "Ray token authentication on" in result.output
+        assert wait_no_ray_processes(job_id) == []
+        assert not token_file.exists() and not job_paths(job_id), "the token is gone after the job"
+    finally:
+        remove_ray_dirs(job_id)
+
+
+def test_opt_out_runs_without_a_token_and_warns(slurm_cluster, tmp_path):
+    env = {"MEGATRON_GIGPO_DRIVER": PROBE, "MEGATRON_GIGPO_VALIDATE": "", "MEGATRON_GIGPO_RAY_AUTH": "disabled"}
+    result = run_job(tmp_path, ["--partition=debug"], [RECIPE], env)
+
+    assert (result.state, result.exit_code) == ("COMPLETED", 0), result.describe()
+    assert "warning: MEGATRON_GIGPO_RAY_AUTH=disabled: Ray runs WITHOUT token authentication" in result.output
+    report = probe_report(result)
+    assert report["driver_auth"]["auth_mode"] == "disabled" and report["driver_auth"]["token_path"] == ""
+    assert [a["auth_mode"] for a in report["task_auth"]] == ["disabled"]
+    assert wait_no_ray_processes(result.job_id) == []
+
+
+def test_contradicting_ray_auth_mode_fails_before_ray_starts(slurm_cluster, tmp_path):
+    env = {"MEGATRON_GIGPO_DRIVER": PROBE, "MEGATRON_GIGPO_VALIDATE": "", "RAY_AUTH_MODE": "disabled"}
+    result = run_job(tmp_path, ["--partition=debug"], [RECIPE], env)
+    try:
+        assert (result.state, result.exit_code) == ("FAILED", 1), result.describe()
+        assert "RAY_AUTH_MODE=disabled contradicts MEGATRON_GIGPO_RAY_AUTH=token" in result.output
+        assert "MEGATRON_GIGPO_RAY_AUTH=disabled" in result.output and "waiting" not in result.output
     finally:
         remove_ray_dirs(result.job_id)
 
@@ -105,7 +260,9 @@ def test_cpu_smoke_recipe_trains_one_iteration_through_sbatch(slurm_cluster, tmp
     try:
         assert (result.state, result.exit_code) == ("COMPLETED", 0), result.describe()
         assert "driver exited with 0" in result.output, result.describe()
+        assert "Ray token authentication on" in result.output, result.describe()
         assert wait_no_ray_processes(job_id) == []
+        assert not job_paths(job_id), "Ray dirs and the token are removed after success"
         records = read_metrics(run_dir / "smoke-cpu")
         assert [r["step"] for r in records] == [1]
         assert records[0]["rollout/actor_logprob_diff_max"] < 1e-3
