@@ -8,9 +8,11 @@ update):
 
 - rows with positive advantage gain log-probability relative to rows with negative advantage
   (``actor/update_effect_pos > actor/update_effect_neg``, means over the iterations) and the change correlates
-  with the advantage (mean ``actor/update_effect_corr > 0.1``; 0.10-0.37 per iteration when correct, measured).
-  A flipped advantage sign turns both around; advantages scattered onto the wrong rows (shifted by one
-  position) leave the correlation near 0 (+-0.05 for ~500 rows);
+  with the advantage (``actor/update_effect_corr`` above 0.05 in every iteration and 0.1 on average; measured
+  0.20, 0.10, 0.37 when correct). A flipped advantage sign turns both around; advantages scattered onto the
+  wrong rows (shifted by one position in each micro-batch) leave the correlation near 0 (measured 0.01, 0.04,
+  then 0.32: once many invalid replies, which the entropy bonus and KL move apart, dominate, the correlation
+  no longer needs the policy gradient, hence the per-iteration bound);
 - vLLM's sampling log-probs equal the actor's on the same tokens (``rollout/actor_logprob_diff_max < 1e-3``,
   fp32): a weight sync that does not reach the engines leaves them sampling from the old weights;
 - held-out greedy success (64 validation rooms, in neither the demonstrations nor the RL tasks) after RL is at
@@ -71,5 +73,5 @@ def check_learning(records: list[dict], iterations: int) -> None:
     # Means over the iterations: one batch of ~500 rows gives a correlation within ~0.05 of its expectation.
     pos, neg, corr = ([rec[f"actor/update_effect_{k}"] for rec in its] for k in ("pos", "neg", "corr"))
     assert sum(pos) / len(pos) > sum(neg) / len(neg), (pos, neg)
-    assert sum(corr) / len(corr) > 0.1, corr
+    assert min(corr) > 0.05 and sum(corr) / len(corr) > 0.1, corr
     assert its[-1][val] >= before[val], (before[val], its[-1][val])
