@@ -356,22 +356,25 @@ def create_placement_groups(plan: PlacementPlan, *, timeout_s: float = 600.0) ->
     """One ``STRICT_PACK`` placement group per node of the plan, ready.
 
     Raises:
-        TimeoutError: the cluster cannot hold them within ``timeout_s`` (names what was asked and what the
-            cluster has); the groups are removed again.
+        megatron_gigpo.deadlines.DeadlineError: a group is not reserved within ``timeout_s`` (in all); the
+            message names the node's group, the bundles asked for, its state and the cluster's resources. The
+            groups are removed again.
     """
-    import ray
+    import time
+
     from ray.util.placement_group import placement_group
 
+    from megatron_gigpo.deadlines import wait_placement_group
+
     groups = [placement_group([dict(b) for b in node], strategy="STRICT_PACK") for node in plan.bundles]
+    deadline = time.monotonic() + timeout_s
     try:
-        ray.get([g.ready() for g in groups], timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
+        for n, group in enumerate(groups):
+            wait_placement_group(group, max(deadline - time.monotonic(), 1e-3),
+                                 f"placement group of the run's node {n} (megatron_gigpo.placement)")
+    except BaseException:
         remove_placement_groups(groups)
-        asked = "; ".join(f"node {n}: {_sum_resources(node)}" for n, node in enumerate(plan.bundles))
-        have = "; ".join(f"{n['NodeManagerAddress']}: GPU {n['Resources'].get('GPU', 0):g}, "
-                         f"CPU {n['Resources'].get('CPU', 0):g}" for n in ray.nodes() if n["Alive"])
-        raise TimeoutError(f"the Ray cluster did not place the run's placement groups within {timeout_s:g} s; "
-                           f"asked (one node each) {asked}; alive nodes {have}") from None
+        raise
     return groups
 
 

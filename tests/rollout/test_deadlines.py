@@ -88,13 +88,16 @@ def test_engine_that_never_starts_is_a_clear_error_at_its_deadline(ray_session, 
 
 
 def test_placement_group_that_cannot_be_reserved_is_named(ray_session):
-    from megatron_gigpo.builders import _placement_group
+    from types import SimpleNamespace
+
+    from megatron_gigpo.placement import create_placement_groups
 
     ray = ray_session
+    plan = SimpleNamespace(bundles=[[{"GPU": 1, "CPU": 2}, {"GPU": 1, "CPU": 2}]])  # what a 2-GPU plan asks
     with pytest.raises(DeadlineError) as info:
-        _placement_group(2, use_gpu=True, timeout_s=3)
+        create_placement_groups(plan, timeout_s=3)
     message = str(info.value)
-    assert message.startswith("placement group of the actor ranks: no answer after ")
+    assert message.startswith("placement group of the run's node 0 (megatron_gigpo.placement): no answer after ")
     assert "from 1 call(s): placement group of 2 bundles. Placement group state PENDING" in message, message
     assert "bundles asked for: [{'GPU': 1.0, 'CPU': 2.0}, {'GPU': 1.0, 'CPU': 2.0}]" in message, message
     assert "cluster resources: {" in message and "'CPU': 4.0" in message

@@ -13,6 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+# Ray settings a test process may carry that a submitted job must not inherit.
+RAY_SESSION_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
+
 REPO = Path(__file__).resolve().parents[2]
 TERMINAL_STATES = {
     "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
@@ -46,7 +49,10 @@ def _job_fields(job_id: str) -> dict[str, str] | None:
 def submit(sbatch_args: list[str], script_args: list[str], out_dir: Path, env: dict[str, str]) -> str:
     """sbatch slurm/train.sbatch from the repository root; returns the job id. Output: out_dir/<id>.out."""
     cmd = ["sbatch", "--parsable", f"--output={out_dir}/%j.out", *sbatch_args, "slurm/train.sbatch", *script_args]
-    out = subprocess.run(cmd, cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    # The job decides its own Ray settings: nothing from this test process (an earlier in-process run leaves
+    # RAY_AUTH_MODE / RAY_AUTH_TOKEN_PATH set for the process's lifetime) reaches it unless `env` says so.
+    inherited = {k: v for k, v in os.environ.items() if k not in RAY_SESSION_VARS}
+    out = subprocess.run(cmd, cwd=REPO, env={**inherited, **env}, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"{' '.join(cmd)} failed: {out.stderr}"
     return out.stdout.strip().split(";")[0]
 
