@@ -126,6 +126,23 @@ def start_actor_group(cfg: Config, actor_cfg, stack: contextlib.ExitStack):
     return plan, groups, actors
 
 
+def start_progress(stack: contextlib.ExitStack, label: str, total: int, completed: int, field: str, value: str):
+    """A running rich progress bar (label, bar, done/total, the task field ``field``, elapsed time), stopped by
+    ``stack``. Used by the RL run (``phase``) and the SFT stage (``status``).
+
+    Returns:
+        ``(progress, task_id)``; update the field with ``progress.update(task_id, **{field: ...})``.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn(f"{{task.fields[{field}]}}"), TimeElapsedColumn())
+    task = progress.add_task(label, total=total, completed=completed, **{field: value})
+    progress.start()
+    stack.callback(progress.stop)
+    return progress, task
+
+
 class PhaseTimer:
     """Wall time per phase of one iteration, reported as ``timing/<phase>_s`` and tokens/s; shows the
     running phase on the run's progress bar (if any)."""
@@ -255,14 +272,8 @@ class RunContext(StartedStack):
                 self.log(self.validate(0), 0)
 
     def _start_progress(self) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.progress = Progress(TextColumn("[bold]GiGPO"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[phase]}"), TimeElapsedColumn())
-        self.bar = self.progress.add_task("train", total=self.cfg.trainer.total_iterations,
-                                          completed=self.start_iteration, phase="starting")
-        self.progress.start()
-        self._stack.callback(self.progress.stop)
+        self.progress, self.bar = start_progress(self._stack, "GiGPO", self.cfg.trainer.total_iterations,
+                                                 self.start_iteration, "phase", "starting")
 
     def _resume(self) -> None:
         root = self.load_from if self.load_from else (str(self.ckpt_root) if self.cfg.checkpoint.resume else None)

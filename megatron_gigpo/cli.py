@@ -51,7 +51,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from megatron_gigpo.config import load_config
     from megatron_gigpo.driver import train
     from megatron_gigpo.sft.cold_start import cold_start
-    from megatron_gigpo.sft.data import SFTDataError
 
     cfg = load_config(args.recipe, args.overrides)
     found = latest_checkpoint(cfg.checkpoint_root) if cfg.checkpoint.resume else None
@@ -60,27 +59,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"megatron-gigpo: nothing to train: {found[1]} is iteration {found[0]} and "
               f"trainer.total_iterations={cfg.trainer.total_iterations}; raise it to train further")
         return 0
-    try:
-        cfg = cold_start(cfg)  # sft.enabled: demonstrations and SFT first (each skipped once done)
-    except SFTDataError as exc:
-        print(f"megatron-gigpo: {exc}", file=sys.stderr)
-        return 2
+    cfg = cold_start(cfg)  # sft.enabled: demonstrations and SFT first (each skipped once done)
     train(cfg)
     return 0
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
     from megatron_gigpo.config import load_config
-    from megatron_gigpo.sft.data import SFTDataError
     from megatron_gigpo.sft.cold_start import with_sft_data
     from megatron_gigpo.sft.trainer import run_sft
 
     cfg = load_config(args.recipe, args.overrides)
-    try:
-        run_sft(with_sft_data(cfg))  # sft.train_file null: the expert's demonstrations (sft.demos)
-    except SFTDataError as exc:
-        print(f"megatron-gigpo: {exc}", file=sys.stderr)
-        return 2
+    run_sft(with_sft_data(cfg))  # sft.train_file null: the expert's demonstrations (sft.demos)
     return 0
 
 
@@ -185,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from megatron_gigpo.config import ConfigError
     from megatron_gigpo.preflight import PreflightError
+    from megatron_gigpo.sft import SFTDataError
 
     argv = sys.argv[1:] if argv is None else argv
     # Megatron-core's import-time notice on machines without its GPU fusions (the CPU path never uses them).
@@ -212,8 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"megatron-gigpo: config error: {exc}", file=sys.stderr)
         return 2
-    except (PreflightError, FileNotFoundError, FileExistsError) as exc:
-        # Missing or clashing files (a run directory, a checkpoint, a model) are the user's to fix: one line.
+    except (PreflightError, SFTDataError, FileNotFoundError, FileExistsError) as exc:
+        # Missing or clashing files (a run directory, a checkpoint, a model, a demonstration file) are the
+        # user's to fix: one line.
         print(f"megatron-gigpo: {exc}", file=sys.stderr)
         return 2
 

@@ -31,14 +31,11 @@ import numpy as np
 import torch
 
 from megatron_gigpo.episodes.prompts import encode_chat_prompt
+from megatron_gigpo.sft import SFTDataError
 
 __all__ = ["SFTDataError", "SFTRows", "LoadReport", "encode_example", "load_sft_rows", "split_held_out"]
 
 log = logging.getLogger(__name__)
-
-
-class SFTDataError(ValueError):
-    """A demonstration file cannot be used; the message names the file (and line) and the reason."""
 
 
 class _RowError(ValueError):

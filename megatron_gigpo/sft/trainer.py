@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_gigpo.builders import StartedStack
+from megatron_gigpo.builders import StartedStack, start_progress
 from megatron_gigpo.config import Config, ConfigError
 
 __all__ = ["SFTTrainer", "run_sft", "sft_dir", "finished_model", "sft_actor_config", "epoch_batches"]
@@ -184,13 +184,7 @@ class SFTTrainer(StartedStack):
         log.info("sft: resumed from %s at step %d of %d", self.ckpt_root, self.start_step, self.total_steps)
 
     def _start_progress(self) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.progress = Progress(TextColumn("[bold]SFT"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[status]}"), TimeElapsedColumn())
-        self.bar = self.progress.add_task("sft", total=self.total_steps, completed=self.start_step, status="")
-        self.progress.start()
-        self._stack.callback(self.progress.stop)
+        self.progress, self.bar = start_progress(self._stack, "SFT", self.total_steps, self.start_step, "status", "")
 
     # ---------------------------------------------------------------- loop
     def validate(self) -> dict[str, float]:
