@@ -146,6 +146,12 @@ def test_missing_required_and_missing_file(tmp_path):
         ({"model": {"path": "/nowhere/model"}}, r"model.path '/nowhere/model': no config.json there"),
         ({"rollout": {"prompt_overflow": "truncate"}},
          r"rollout.prompt_overflow='truncate' is not one of end_episode, error"),
+        # vLLM refuses a max_model_len beyond the model's positions when the engine starts: refuse it here.
+        ({"rollout": {"prompt_length": 32768, "response_length": 1}, "trainer": {"micro_batch_tokens": 40000}},
+         r"rollout.prompt_length \+ rollout.response_length = 32769 tokens exceeds the max_position_embeddings=32768 "
+         r"of model.path 'Qwen/Qwen2.5-1.5B-Instruct'"),
+        ({"model": {"path": "builtin:smollm2-135m-instruct"}, "rollout": {"prompt_length": 8000},
+          "trainer": {"micro_batch_tokens": 9000}}, r"= 8512 tokens exceeds the max_position_embeddings=8192"),
     ],
 )
 def test_cross_field_checks(tmp_path, extra, message):
@@ -173,6 +179,11 @@ def test_local_model_dir_is_read(tmp_path):
                                                trainer={"devices_per_node": 2}))
     with pytest.raises(ConfigError, match=r"attention heads \(6\) and KV heads \(3\)"):
         load_config(path)
+    # The context limit is read from the same config.json: 2048 + 512 tokens do not fit 2048 positions.
+    (model / "config.json").write_text('{"num_attention_heads": 6, "num_key_value_heads": 3, "num_hidden_layers": 4, '
+                                       '"max_position_embeddings": 2048}')
+    with pytest.raises(ConfigError, match=r"= 2560 tokens exceeds the max_position_embeddings=2048"):
+        load_config(path, ["rollout.prompt_length=2048", "rollout.response_length=512"])
 
 
 def test_resolved_config_round_trips(tmp_path):
