@@ -153,7 +153,7 @@ def validate_config(cfg: Config, source: str = "config") -> None:
             f"trainer.micro_batch_tokens={t.micro_batch_tokens} is smaller than one row "
             f"(rollout.prompt_length + rollout.response_length = {r.prompt_length + r.response_length})"
         )
-    errors += _sft_errors(cfg.sft, dp)
+    errors += _sft_errors(cfg.sft, dp, e.name)
     if errors:
         raise ConfigError(f"{source}: " + "; ".join(errors))
 
@@ -174,9 +174,15 @@ def _context_errors(cfg: Config) -> list[str]:
     return []
 
 
-def _sft_errors(s: SFTConfig, dp: int) -> list[str]:
+def _sft_errors(s: SFTConfig, dp: int, env_name: str) -> list[str]:
     """Cross-field checks of the ``sft`` section (the ranges and choices are on its fields)."""
     errors = []
+    if s.enabled and s.train_file is None:  # the cold start writes the environment's expert demonstrations first
+        from megatron_gigpo.demos.experts import expert_env_names, no_expert_message
+
+        if env_name not in expert_env_names():
+            errors.append(f"sft.enabled=true with sft.train_file null needs expert demonstrations, but "
+                          f"{no_expert_message(env_name)}; set sft.train_file")
     if s.batch_size < dp:
         errors.append(f"sft.batch_size={s.batch_size} is smaller than DP={dp}: every data-parallel rank needs a row")
     if s.min_lr > s.lr:

@@ -146,6 +146,10 @@ def test_missing_required_and_missing_file(tmp_path):
         ({"model": {"path": "/nowhere/model"}}, r"model.path '/nowhere/model': no config.json there"),
         ({"rollout": {"prompt_overflow": "truncate"}},
          r"rollout.prompt_overflow='truncate' is not one of end_episode, error"),
+        # The cold start writes expert demonstrations when sft.train_file is null: refused where there is no expert.
+        ({"env": {"name": "webshop"}, "sft": {"enabled": True}},
+         r"sft.enabled=true with sft.train_file null needs expert demonstrations, but env.name='webshop': no expert "
+         r"policy for demonstrations; experts exist for alfworld, sokoban; set sft.train_file"),
         # vLLM refuses a max_model_len beyond the model's positions when the engine starts: refuse it here.
         ({"rollout": {"prompt_length": 32768, "response_length": 1}, "trainer": {"micro_batch_tokens": 40000}},
          r"rollout.prompt_length \+ rollout.response_length = 32769 tokens exceeds the max_position_embeddings=32768 "
