@@ -237,7 +237,10 @@ def test_duplicate_keys_and_bad_values_are_errors(tmp_path):
         load_config(recipe)
     smoke = RECIPES / "smoke/cpu.yaml"
     for override, message in (("optim.lr=-1", "optim.lr=-1"), ("trainer.experiment_name=", "experiment_name"),
-                              ("trainer.experiment_name=a/b", "plain, non-empty folder name")):
+                              ("trainer.experiment_name=a/b", "plain, non-empty folder name"),
+                              # YAML 1.1 turns `on` into true: say so instead of a bare type error
+                              ("logging.wandb_mode=on", "logging.wandb_mode: expected str, got True (YAML reads on, "
+                                                        "off, yes and no as true or false: quote the word)")):
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(smoke, [override])
 
