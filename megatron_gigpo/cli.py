@@ -46,6 +46,14 @@ def _print_plan(cfg, gpu_memory_gib: float) -> None:
     print(format_memory(estimate_memory(cfg, plan, hf, gpu_memory_gib), gpu_memory_gib))
 
 
+def _gib(text: str) -> float:
+    """``--gpu-memory-gib``: a positive, finite number of GiB (argparse names the option on a ValueError)."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive, finite number of GiB")
+    return value
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from megatron_gigpo.actor.checkpoint import latest_checkpoint
     from megatron_gigpo.config import load_config
@@ -148,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     va.add_argument("--preflight", action="store_true", help="also check data directories, devices and services")
     va.add_argument("--plan", action="store_true",
                     help="print the placement plan (bundles, ranks, engines, GPU count) and a per-GPU memory estimate")
-    va.add_argument("--gpu-memory-gib", type=float, default=80.0, help="GPU memory for the --plan estimate (GiB)")
+    va.add_argument("--gpu-memory-gib", type=_gib, default=80.0, help="GPU memory for the --plan estimate (GiB)")
     va.set_defaults(func=_cmd_validate)
     de = recipe_cmd("demos", "write expert demonstrations (chat JSONL) for a supervised cold start")
     de.add_argument("--out", required=True, help="JSONL file to write (atomically)")

@@ -150,6 +150,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, bool):  # YAML 1.1 reads on / off / yes / no as booleans
+            raise ConfigError(f"{where}: expected str, got {value!r} (YAML reads on, off, yes and no as true or "
+                              f"false: quote the word)")
     raise ConfigError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
 
 

@@ -20,7 +20,7 @@ from megatron_gigpo.config import (
 )
 from megatron_gigpo.episodes.templates import PROMPT_TEMPLATES
 from megatron_gigpo.fields import field_errors, leaf_fields
-from megatron_gigpo.model_specs import KNOWN_MODELS
+from megatron_gigpo.model_specs import KNOWN_MODELS, hf_config_for
 
 # --------------------------------------------------------------------------------------------------
 # Cross-field validation
@@ -136,6 +136,7 @@ def validate_config(cfg: Config, source: str = "config") -> None:
             )
         if shape.num_attention_heads % r.tensor_parallel_size or shape.num_key_value_heads % r.tensor_parallel_size:
             errors.append(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the attention and KV heads")
+    errors += _context_errors(cfg)
     if t.ppo_mini_batch_size % dp:
         errors.append(f"trainer.ppo_mini_batch_size={t.ppo_mini_batch_size} must be divisible by DP={dp}")
     if (cfg.env.num_groups * r.n) % r.num_engines:
@@ -152,14 +153,36 @@ def validate_config(cfg: Config, source: str = "config") -> None:
             f"trainer.micro_batch_tokens={t.micro_batch_tokens} is smaller than one row "
             f"(rollout.prompt_length + rollout.response_length = {r.prompt_length + r.response_length})"
         )
-    errors += _sft_errors(cfg.sft, dp)
+    errors += _sft_errors(cfg.sft, dp, e.name)
     if errors:
         raise ConfigError(f"{source}: " + "; ".join(errors))
 
 
-def _sft_errors(s: SFTConfig, dp: int) -> list[str]:
+def _context_errors(cfg: Config) -> list[str]:
+    """The engines' context (``rollout.prompt_length + rollout.response_length``) within the model's
+    ``max_position_embeddings`` (its config.json, or :data:`KNOWN_MODELS`; ``init: random`` keeps ``model.path``'s
+    positions). vLLM refuses a longer ``max_model_len`` when the engine starts; an unknown limit is not checked."""
+    try:
+        hf = hf_config_for(cfg.model.path)
+    except ValueError as exc:
+        return [f"model.path: {exc}"]
+    limit = (hf or {}).get("max_position_embeddings")
+    context = cfg.rollout.prompt_length + cfg.rollout.response_length
+    if isinstance(limit, int) and context > limit:
+        return [f"rollout.prompt_length + rollout.response_length = {context} tokens exceeds the "
+                f"max_position_embeddings={limit} of model.path '{cfg.model.path}' (the engine's max_model_len)"]
+    return []
+
+
+def _sft_errors(s: SFTConfig, dp: int, env_name: str) -> list[str]:
     """Cross-field checks of the ``sft`` section (the ranges and choices are on its fields)."""
     errors = []
+    if s.enabled and s.train_file is None:  # the cold start writes the environment's expert demonstrations first
+        from megatron_gigpo.demos.experts import expert_env_names, no_expert_message
+
+        if env_name not in expert_env_names():
+            errors.append(f"sft.enabled=true with sft.train_file null needs expert demonstrations, but "
+                          f"{no_expert_message(env_name)}; set sft.train_file")
     if s.batch_size < dp:
         errors.append(f"sft.batch_size={s.batch_size} is smaller than DP={dp}: every data-parallel rank needs a row")
     if s.min_lr > s.lr:

@@ -24,7 +24,7 @@ action.
 An episode ends when the environment says done, at ``env.max_steps``, when the prompt cannot fit
 (``rollout.prompt_overflow``: ``end_episode`` keeps the rows so far, ``error`` raises), or when the expert has
 no move (a deadlocked Sokoban room after a random push; ALFWorld after a random command that leaves its
-walkthrough, see :mod:`.experts`): rows so far are kept, the episode is not won. An episode whose very first
+walkthrough, see :class:`megatron_gigpo.envs.alfworld.AlfWorldExpert`): rows so far are kept, the episode is not won. An episode whose very first
 state has no expert move (an unsolvable room) writes no row and is counted in ``skipped``.
 
 Demonstrations use training tasks only (``load_task_list(env, "train")``, in :func:`epoch_order`'s shuffled

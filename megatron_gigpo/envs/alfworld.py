@@ -28,14 +28,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from dataclasses import dataclass
 
 from megatron_gigpo.envs.actions import match_admissible, project_tagged_action
 from megatron_gigpo.envs.base import Environment, ProjectedAction, ResetResult, StepResult, Task
+from megatron_gigpo.envs.expert import Expert, ExpertMove, ExpertUnavailable
 from megatron_gigpo.envs.recipe import EnvRecipe, data_dir_problems, env_path
 from megatron_gigpo.episodes.templates import COMPACT_LAYOUT, COMPACT_REPLY, THINK_THEN_ACTION, PromptTemplate
+
+if TYPE_CHECKING:
+    from megatron_gigpo.episodes.prompts import StepPromptState
 
 # ALFWorld's six task types (alfworld.agents.environment.alfred_tw_env.TASK_TYPES), by id.
 TASK_TYPES: dict[int, str] = {
@@ -330,5 +334,60 @@ COMPACT_ALFWORLD_TEMPLATE = PromptTemplate(
 )
 
 
+# ---------------------------------------------------------------------------------------------- expert
+#: ALFWorld commands that change no game state (PDDL effects: none, or only ``checked``), so a walkthrough
+#: still applies after them.
+ALFWORLD_READ_ONLY = ("look", "inventory")
+ALFWORLD_READ_ONLY_PREFIXES = ("examine ",)
+
+
+class AlfWorldExpert(Expert):
+    """The game's own expert walkthrough, step by step (TextWorld's ``walkthrough`` extra, which
+    :class:`AlfWorldEnv` returns when built with ``request_walkthrough=True``).
+
+    The walkthrough is a fixed command list for the initial state, so after a random (epsilon) action it still
+    applies only if that action changed nothing the plan relies on: the read-only commands ``look``,
+    ``inventory`` and ``examine ...`` leave it valid; after any other random command the expert is lost
+    (:class:`~megatron_gigpo.envs.expert.ExpertUnavailable` from then on), and the demonstration writer ends the
+    episode there, keeping its rows so far (the random step included).
+    """
+
+    env_kwargs: ClassVar[dict[str, Any]] = {"request_walkthrough": True}
+    #: Plan steps named by the ``plan`` reasoning.
+    shown_steps = 3
+
+    def __init__(self) -> None:
+        self._walkthrough: list[str] = []
+        self._next = 0
+        self._lost: str | None = None
+
+    def start(self, reset: ResetResult) -> None:
+        if "walkthrough" not in reset.info:
+            raise ValueError("AlfWorldExpert needs the environment built with request_walkthrough=True")
+        self._walkthrough, self._next, self._lost = list(reset.info["walkthrough"]), 0, None
+
+    def next_move(self, state: StepPromptState) -> ExpertMove:
+        if self._lost is not None:
+            raise ExpertUnavailable(self._lost)
+        if self._next >= len(self._walkthrough):
+            raise ExpertUnavailable("ALFWorld: the walkthrough is used up without a win")
+        command = self._walkthrough[self._next]
+        action = match_admissible(command, state.admissible or [])
+        if action is None:
+            raise ExpertUnavailable(f"ALFWorld: walkthrough command {command!r} is not admissible here")
+        return ExpertMove(action, [action, *self._walkthrough[self._next + 1 :]])
+
+    def taken(self, action: str, by_expert: bool) -> None:
+        if by_expert:
+            self._next += 1
+        elif not (action in ALFWORLD_READ_ONLY or action.startswith(ALFWORLD_READ_ONLY_PREFIXES)):
+            self._lost = f"ALFWorld: the random action {action!r} may have changed the state the walkthrough needs"
+
+    def describe(self, move: ExpertMove) -> str:
+        more = ", ..." if len(move.plan) > self.shown_steps else ""
+        return f"Plan: {', '.join(move.plan[: self.shown_steps])}{more}."
+
+
 RECIPE = EnvRecipe(section="alfworld", settings=AlfWorldConfig, env_kwargs=_env_kwargs, task_list=_task_list,
-                   check_resources=data_dir_problems, templates=(ALFWORLD_TEMPLATE, COMPACT_ALFWORLD_TEMPLATE))
+                   check_resources=data_dir_problems, templates=(ALFWORLD_TEMPLATE, COMPACT_ALFWORLD_TEMPLATE),
+                   expert=AlfWorldExpert)

@@ -40,6 +40,9 @@ class EnvRecipe:
         templates: its per-step prompt templates, one per style of ``env.prompt_template``
             (:class:`megatron_gigpo.episodes.templates.PromptTemplate`, collected by
             :func:`~megatron_gigpo.episodes.templates.prompt_templates`).
+        expert: its expert policy for demonstrations (``megatron-gigpo demos``, the cold start's
+            ``sft.demos``): a subclass of :class:`megatron_gigpo.envs.expert.Expert`, built once per
+            demonstration run; None (default): the environment has no expert.
     """
 
     section: str
@@ -48,6 +51,7 @@ class EnvRecipe:
     task_list: Callable[[Any, str], list[Task]]
     check_resources: Callable[[Any], list[str]] = _no_problems
     templates: tuple[Any, ...] = ()
+    expert: Callable[[], Any] | None = None
 
 
 def env_path(value: str | None, key: str) -> str:

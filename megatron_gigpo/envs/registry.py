@@ -8,7 +8,8 @@ time (gym, textworld and tantivy are imported when an environment is built).
 To add an environment: write its module (the Environment subclass; ``load_tasks(split: str, **kwargs) ->
 list[Task]``, or name another function in ``EnvSpec.task_loader``; and ``RECIPE``, a
 :class:`~megatron_gigpo.envs.recipe.EnvRecipe` with its settings dataclass, the mapping of the recipe's
-``env`` section onto its constructor and task list, its resource check and its prompt templates), and add
+``env`` section onto its constructor and task list, its resource check, its prompt templates and, optionally,
+its expert policy for demonstrations), and add
 one line to :data:`ENVIRONMENTS`:
 ``"name": EnvSpec("package.module", "Class")``. The recipe's ``env.name`` choices and its ``env.<section>``
 settings follow from this table (:class:`megatron_gigpo.config.EnvConfig`).

@@ -29,15 +29,20 @@ import re
 import zlib
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from megatron_gigpo.envs.actions import parse_response
 from megatron_gigpo.envs.base import Environment, ProjectedAction, ResetResult, StepResult, Task
+from megatron_gigpo.envs.expert import Expert, ExpertMove, ExpertUnavailable
 from megatron_gigpo.envs.recipe import EnvRecipe
+from megatron_gigpo.envs.sokoban_solver import UnsolvableError, solve_grid
 from megatron_gigpo.episodes.templates import COMPACT_LAYOUT, COMPACT_REPLY, PromptTemplate
 from megatron_gigpo.fields import num
+
+if TYPE_CHECKING:
+    from megatron_gigpo.episodes.prompts import StepPromptState
 
 ACTIONS: tuple[str, ...] = ("up", "down", "left", "right")
 # gym-sokoban action ids: 0 no-op, 1..4 push (or move when no box) up/down/left/right.
@@ -327,5 +332,24 @@ COMPACT_SOKOBAN_TEMPLATE = PromptTemplate(
 )
 
 
+class SokobanExpert(Expert):
+    """Shortest-plan play: the optimal breadth-first solver of :mod:`megatron_gigpo.envs.sokoban_solver`,
+    re-planned from the observation grid at every step (so it recovers from any random move that leaves the room
+    solvable). A state no sequence can solve (a box in a deadlock) has no expert move:
+    :class:`~megatron_gigpo.envs.expert.ExpertUnavailable`."""
+
+    def next_move(self, state: StepPromptState) -> ExpertMove:
+        try:
+            plan = solve_grid(state.observation)
+        except UnsolvableError as exc:
+            raise ExpertUnavailable(f"Sokoban: {exc}") from exc
+        if not plan:
+            raise ExpertUnavailable("Sokoban: the room is solved already")
+        return ExpertMove(plan[0], plan)
+
+    def describe(self, move: ExpertMove) -> str:
+        return f"Shortest plan: {', '.join(move.plan)}."
+
+
 RECIPE = EnvRecipe(section="sokoban", settings=SokobanConfig, env_kwargs=_env_kwargs, task_list=_task_list,
-                   templates=(SOKOBAN_TEMPLATE, COMPACT_SOKOBAN_TEMPLATE))
+                   templates=(SOKOBAN_TEMPLATE, COMPACT_SOKOBAN_TEMPLATE), expert=SokobanExpert)

@@ -146,6 +146,16 @@ def test_missing_required_and_missing_file(tmp_path):
         ({"model": {"path": "/nowhere/model"}}, r"model.path '/nowhere/model': no config.json there"),
         ({"rollout": {"prompt_overflow": "truncate"}},
          r"rollout.prompt_overflow='truncate' is not one of end_episode, error"),
+        # The cold start writes expert demonstrations when sft.train_file is null: refused where there is no expert.
+        ({"env": {"name": "webshop"}, "sft": {"enabled": True}},
+         r"sft.enabled=true with sft.train_file null needs expert demonstrations, but env.name='webshop': no expert "
+         r"policy for demonstrations; experts exist for alfworld, sokoban; set sft.train_file"),
+        # vLLM refuses a max_model_len beyond the model's positions when the engine starts: refuse it here.
+        ({"rollout": {"prompt_length": 32768, "response_length": 1}, "trainer": {"micro_batch_tokens": 40000}},
+         r"rollout.prompt_length \+ rollout.response_length = 32769 tokens exceeds the max_position_embeddings=32768 "
+         r"of model.path 'Qwen/Qwen2.5-1.5B-Instruct'"),
+        ({"model": {"path": "builtin:smollm2-135m-instruct"}, "rollout": {"prompt_length": 8000},
+          "trainer": {"micro_batch_tokens": 9000}}, r"= 8512 tokens exceeds the max_position_embeddings=8192"),
     ],
 )
 def test_cross_field_checks(tmp_path, extra, message):
@@ -173,6 +183,11 @@ def test_local_model_dir_is_read(tmp_path):
                                                trainer={"devices_per_node": 2}))
     with pytest.raises(ConfigError, match=r"attention heads \(6\) and KV heads \(3\)"):
         load_config(path)
+    # The context limit is read from the same config.json: 2048 + 512 tokens do not fit 2048 positions.
+    (model / "config.json").write_text('{"num_attention_heads": 6, "num_key_value_heads": 3, "num_hidden_layers": 4, '
+                                       '"max_position_embeddings": 2048}')
+    with pytest.raises(ConfigError, match=r"= 2560 tokens exceeds the max_position_embeddings=2048"):
+        load_config(path, ["rollout.prompt_length=2048", "rollout.response_length=512"])
 
 
 def test_resolved_config_round_trips(tmp_path):
@@ -222,7 +237,10 @@ def test_duplicate_keys_and_bad_values_are_errors(tmp_path):
         load_config(recipe)
     smoke = RECIPES / "smoke/cpu.yaml"
     for override, message in (("optim.lr=-1", "optim.lr=-1"), ("trainer.experiment_name=", "experiment_name"),
-                              ("trainer.experiment_name=a/b", "plain, non-empty folder name")):
+                              ("trainer.experiment_name=a/b", "plain, non-empty folder name"),
+                              # YAML 1.1 turns `on` into true: say so instead of a bare type error
+                              ("logging.wandb_mode=on", "logging.wandb_mode: expected str, got True (YAML reads on, "
+                                                        "off, yes and no as true or false: quote the word)")):
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(smoke, [override])
 

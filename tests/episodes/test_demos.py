@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -9,11 +10,13 @@ from pathlib import Path
 import pytest
 
 from megatron_gigpo.config import ConfigError, load_config
-from megatron_gigpo.demos import DemoError, ExpertUnavailable, demo_tasks, make_expert, write_demos
-from megatron_gigpo.demos.sokoban_solver import UnsolvableError, parse_grid, solve, solve_grid
+from megatron_gigpo.demos import DemoError, ExpertUnavailable, demo_tasks, expert_env_names, make_expert, write_demos
 from megatron_gigpo.demos.writer import EXPLORE_REASONING
 from megatron_gigpo.env_settings import load_task_list
+from megatron_gigpo.envs.expert import Expert, ExpertMove
+from megatron_gigpo.envs.recipe import EnvRecipe
 from megatron_gigpo.envs.sokoban import SokobanEnv, load_tasks
+from megatron_gigpo.envs.sokoban_solver import UnsolvableError, parse_grid, solve, solve_grid
 from megatron_gigpo.episodes.prompts import PromptTooLongError
 
 pytestmark = pytest.mark.unit
@@ -208,7 +211,8 @@ def test_errors_are_named_and_leave_no_file(tiny_tokenizer, tmp_path):
 
 
 def test_expert_unavailable_and_invariants():
-    from megatron_gigpo.demos.experts import AlfWorldExpert, SokobanExpert
+    from megatron_gigpo.envs.alfworld import AlfWorldExpert
+    from megatron_gigpo.envs.sokoban import SokobanExpert
     from megatron_gigpo.envs.base import ResetResult
     from megatron_gigpo.episodes.prompts import StepPromptState
 
@@ -227,3 +231,39 @@ def test_expert_unavailable_and_invariants():
     with pytest.raises(ExpertUnavailable, match="random action 'open drawer 1'"):
         expert.next_move(state)
     assert issubclass(DemoError, RuntimeError)
+
+
+class _ToyExpert(Expert):
+    def next_move(self, state):
+        return ExpertMove("wait", ["wait"])
+
+    def describe(self, move):
+        return "Wait."
+
+
+@dataclasses.dataclass
+class _ToySettings:
+    pass
+
+
+#: A new environment's recipe, as its own module would declare it (this test module stands in for that module).
+TOY_RECIPE = EnvRecipe(section="toy", settings=_ToySettings, env_kwargs=lambda env: {},
+                       task_list=lambda env, split: [], expert=_ToyExpert)
+
+
+def test_experts_are_declared_by_each_environment_recipe(monkeypatch):
+    from megatron_gigpo.envs import registry
+    from megatron_gigpo.envs.alfworld import AlfWorldExpert
+    from megatron_gigpo.envs.sokoban import SokobanExpert
+
+    assert [registry.env_recipe(n).expert for n in registry.ENVIRONMENTS] == [SokobanExpert, AlfWorldExpert, None, None]
+    assert expert_env_names() == ("alfworld", "sokoban")
+    assert isinstance(make_expert("sokoban"), SokobanExpert) and make_expert("sokoban") is not make_expert("sokoban")
+    with pytest.raises(ConfigError, match=r"^env.name='search_qa': no expert policy for demonstrations; experts exist "
+                                          r"for alfworld, sokoban$"):
+        make_expert("search_qa")
+    # Adding an environment with an expert: its module (RECIPE) and one registry line; nothing in demos/.
+    monkeypatch.setitem(registry.ENVIRONMENTS, "toy", registry.EnvSpec(__name__, "SokobanEnv", recipe="TOY_RECIPE"))
+    assert isinstance(make_expert("toy"), _ToyExpert) and expert_env_names() == ("alfworld", "sokoban", "toy")
+    with pytest.raises(ConfigError, match="experts exist for alfworld, sokoban, toy"):
+        make_expert("webshop")

@@ -78,6 +78,20 @@ def test_seven_b_recipes_place_tp2_engines_inside_the_colocated_group():
         assert [e.node for e in plan.engines] == [i // 4 for i in range(4 * nodes)]
 
 
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf", "abc"])
+def test_gpu_memory_gib_must_be_a_positive_finite_number(value, capsys):
+    # A zero, negative, NaN or infinite GPU size made a meaningless table (or a traceback); argparse refuses it.
+    with pytest.raises(SystemExit) as exc:
+        main(["validate", str(ALF_7B), "--plan", f"--gpu-memory-gib={value}"])
+    assert exc.value.code == 2 and "--gpu-memory-gib" in capsys.readouterr().err
+
+
+def test_gpu_memory_gib_sets_the_budget_of_the_estimate(capsys):
+    assert main(["validate", str(ALF_7B), "--plan", "--gpu-memory-gib", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "against 40 GiB" in out and "8 GPU(s) over 40 GiB" in out
+
 @pytest.mark.parametrize(
     "recipe, overrides, message",
     [
