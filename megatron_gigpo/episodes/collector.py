@@ -36,7 +36,13 @@ import torch
 from megatron_gigpo.algo.grouping import anchor_key
 from megatron_gigpo.envs.base import Anchor, ResetResult, StepResult, Task
 from megatron_gigpo.episodes.batch import TrainingBatch
-from megatron_gigpo.episodes.metrics import EpisodeSummary, episode_metrics, row_metrics, step_group_metrics
+from megatron_gigpo.episodes.metrics import (
+    EpisodeSummary,
+    episode_metrics,
+    no_effect_rate,
+    row_metrics,
+    step_group_metrics,
+)
 from megatron_gigpo.episodes.prompts import (
     DEFAULT_PROMPT_STYLE,
     PROMPT_OVERFLOW_POLICIES,
@@ -386,6 +392,7 @@ class EpisodeCollector:
             )
         )
         metrics.update(step_group_metrics(batch.uid, batch.anchor))
+        metrics.update(no_effect_rate(batch.traj_id, batch.step_index.tolist(), batch.anchor))
         metrics.update(stats.metrics())
         metrics["workers/failures"] = float(self.pool.worker_failures - failures_before)
         metrics["workers/env_timeouts"] = float(self.pool.env_timeouts - timeouts_before)

@@ -90,6 +90,25 @@ def step_group_metrics(uids: Sequence[str], anchors: Sequence[Anchor]) -> dict[s
     return metrics
 
 
+def no_effect_rate(traj_ids: Sequence[str], step_index: Sequence[int], anchors: Sequence[Anchor]) -> dict[str, float]:
+    """``action/no_effect_rate``: the share of steps after which the observation anchor did not change.
+
+    Counted over the rows that have a next step in their trajectory (row t and row t + 1 of one ``traj_id``).
+    A step without effect (Sokoban: walking into a wall or pushing a box against one; ALFWorld: "Nothing
+    happens.") leaves the agent in the same anchor state, so it lands in the same GiGPO step group as the step
+    after it. Empty dict when no row has a successor.
+
+    Raises:
+        ValueError: the three sequences differ in length.
+    """
+    if not len(traj_ids) == len(step_index) == len(anchors):
+        raise ValueError(f"no_effect_rate: {len(traj_ids)} traj ids, {len(step_index)} step indices, {len(anchors)} anchors")
+    keys = anchor_keys(anchors)
+    position = {(t, int(s)): i for i, (t, s) in enumerate(zip(traj_ids, step_index))}
+    same = [keys[i] == keys[j] for (t, s), i in position.items() if (j := position.get((t, s + 1))) is not None]
+    return {"action/no_effect_rate": float(np.mean(same))} if same else {}
+
+
 def episode_metrics(env_name: str, episodes: Sequence[EpisodeSummary]) -> dict[str, float]:
     """Success rates (overall and per task type), lengths, returns and failures.
 

@@ -10,6 +10,7 @@ from megatron_gigpo.episodes.collector import reset_seed, step_sampling
 from megatron_gigpo.episodes.metrics import (
     EpisodeSummary,
     episode_metrics,
+    no_effect_rate,
     row_metrics,
     step_group_metrics,
     step_group_sizes,
@@ -44,6 +45,21 @@ def test_step_groups_are_exact_per_uid_and_anchor():
     assert metrics["step_group/singleton_row_frac"] == pytest.approx(3 / 7)
     with pytest.raises(TypeError, match="must be str or numpy.ndarray"):
         step_group_sizes(["a"], [3])
+
+
+def test_no_effect_rate_compares_each_step_with_the_next_of_its_trajectory():
+    grid = np.zeros((2, 2), dtype=np.uint8)
+    moved = grid.copy()
+    moved[0, 0] = 1
+    # Rows out of order on purpose; b's last step and c's only step have no successor and are not counted.
+    traj = ["a", "b", "a", "a", "b", "c"]
+    step = [1, 0, 0, 2, 1, 0]
+    anchors = ["s1", grid, "s1", "s2", moved, "s9"]
+    # a: s1 -> s1 (no effect), s1 -> s2 (effect); b: grid -> moved (effect)
+    assert no_effect_rate(traj, step, anchors) == {"action/no_effect_rate": pytest.approx(1 / 3)}
+    assert no_effect_rate(["c"], [0], ["s"]) == {}
+    with pytest.raises(ValueError, match="2 anchors"):
+        no_effect_rate(["a"], [0], ["s", "t"])
 
 
 def test_episode_metrics_per_task_type_exclude_failures():
