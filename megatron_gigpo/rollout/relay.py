@@ -73,6 +73,8 @@ class _Link:
 
     def bcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         torch.distributed.broadcast(tensor, src=src, group=self.group)
+        if tensor.is_cuda:  # the engines open the buffer from other processes: the bytes must be there first
+            torch.cuda.current_stream().synchronize()
         return tensor
 
     def header(self, kind: int = 0, nbytes: int = 0, meta_len: int = 0) -> tuple[int, int, int]:
