@@ -158,7 +158,7 @@ class SyncPlan:
     Attributes:
         engines: Ray handles of the :class:`~megatron_gigpo.rollout.engine.RolloutEngine` actors.
         engine_workers: number of vLLM workers (TP size) of each engine, same order.
-        engine_nodes: Ray node id of each engine (the ``shm`` transport needs one node).
+        engine_nodes: Ray node id of each engine (the same-node transports check it against their sender's).
         version: the new weights version; must exceed every engine's current version.
         bucket_size_bytes: export bucket size (``export_hf_weights(bucket_size_bytes=...)``).
         transport: ``"shm"`` | ``"broadcast"`` | ``"cuda_ipc"``.
