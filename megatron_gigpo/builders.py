@@ -290,12 +290,14 @@ class RunContext(StartedStack):
                                    params=self.cfg.algorithm, iteration=iteration + 1)
 
     def sync_weights(self, version: int) -> dict[str, float]:
+        from megatron_gigpo.placement import weight_relays
         from megatron_gigpo.rollout.weight_sync import sync_weights
 
+        # Engines on other nodes than rank 0's get the weights through their node's leader rank (the plan's relay).
         metrics = sync_weights(self.actors, self.engines, version=version,
                                bucket_size_bytes=self.cfg.rollout.bucket_size_mb << 20,
                                mode=self.cfg.rollout.weight_sync_mode,
-                               timeout_s=self.cfg.trainer.timeouts.weight_sync_s)
+                               timeout_s=self.cfg.trainer.timeouts.weight_sync_s, relays=weight_relays(self.plan))
         # A float fingerprint of what the engines now serve (the full checksum is checked inside the sync).
         _, checksum = self.engines.weights_version()[0]
         metrics["weight_sync/checksum_fp"] = float(int(checksum[:8], 16))

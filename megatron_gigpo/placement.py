@@ -22,6 +22,13 @@ Layouts (GPU, ``trainer.device: cuda``):
 - ``disaggregated``: the ranks take the first TP x PP x DP GPUs (whole GPUs); each engine then takes k whole
   GPUs of one node, first fit node by node. Everything must fit in ``nnodes x devices_per_node`` GPUs.
 
+Weight sync (:mod:`megatron_gigpo.rollout.weight_sync`): the source rank (rank 0, the export's destination) sends
+every bucket. Colocated layouts use a same-node transport (``cuda_ipc`` on GPU, ``shm`` on CPU:
+:func:`weight_transport`), so the engines of every other node get the buckets through that node's *leader*, its
+lowest actor rank, which receives them from the source over a torch.distributed subgroup and hands them to its
+node's engines through the same transport (:func:`weight_relays`, :mod:`megatron_gigpo.rollout.relay`). A node
+with engines but no actor rank cannot be reached that way (:func:`relay_errors`).
+
 CPU (``trainer.device: cpu``; ``devices_per_node`` counts actor processes): bundles hold only CPU shares;
 engines run vLLM's multiprocess executor inside their own actor, placed in the bundle of rank ``e % world``
 (colocated; the ``shm`` weight transport needs the source rank's node) or in an extra bundle (disaggregated).
@@ -33,13 +40,14 @@ hands a node's GPUs to the bundles in order (checked on stand-in GPUs by tests/p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from megatron_gigpo.config import Config, ConfigError
 
 __all__ = [
-    "ClusterShape", "Slot", "EnginePlacement", "PlacementPlan", "PlacementError",
-    "plan_placement", "placement_errors", "format_plan",
+    "ClusterShape", "Slot", "EnginePlacement", "PlacementPlan", "PlacementError", "WeightRelay",
+    "plan_placement", "placement_errors", "format_plan", "format_weight_sync", "weight_transport", "weight_relays",
+    "relay_errors",
     "create_placement_groups", "remove_placement_groups", "slot_options", "engine_options",
     "GPU_RANK_SHARE", "GPU_ENGINE_SHARE", "CPU_RANK_SHARE", "CPU_ENGINE_SHARE", "GPU_SLOT_CPUS",
 ]
@@ -173,8 +181,14 @@ class PlacementPlan:
 
 # --------------------------------------------------------------------------------------------- the plan
 def placement_errors(cfg: Config, cluster: ClusterShape | None = None) -> list[str]:
-    """Why ``cfg`` cannot be placed on ``cluster`` (default: the recipe's own shape); [] when it can."""
+    """Why ``cfg`` cannot be placed on ``cluster`` (default: the recipe's own shape), or why its weight sync could
+    not reach every engine (:func:`relay_errors`); [] when it can."""
     cluster = cluster or ClusterShape.of(cfg)
+    errors = _shape_errors(cfg, cluster)
+    return errors or relay_errors(_build_plan(cfg, cluster))
+
+
+def _shape_errors(cfg: Config, cluster: ClusterShape) -> list[str]:
     p, r = cfg.parallel, cfg.rollout
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
     if min(tp, pp, dp) < 1:
@@ -234,9 +248,15 @@ def plan_placement(cfg: Config, cluster: ClusterShape | None = None) -> Placemen
         PlacementError: the layout does not fit (:func:`placement_errors`, naming the numbers).
     """
     cluster = cluster or ClusterShape.of(cfg)
-    errors = placement_errors(cfg, cluster)
+    errors = _shape_errors(cfg, cluster)
+    plan = None if errors else _build_plan(cfg, cluster)
+    errors = errors or relay_errors(plan)
     if errors:
         raise PlacementError("; ".join(errors))
+    return plan
+
+
+def _build_plan(cfg: Config, cluster: ClusterShape) -> PlacementPlan:
     p, r = cfg.parallel, cfg.rollout
     world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.data_parallel_size
     colocated = r.weight_sync_mode == "colocated"
@@ -319,6 +339,92 @@ def _cpu_engines(cfg: Config, cluster: ClusterShape, world: int, colocated: bool
     return out
 
 
+# --------------------------------------------------------------------------------------------- weight sync
+class WeightRelay(NamedTuple):
+    """One node's relay of the weight sync: its leader rank receives every bucket from the source rank and hands
+    it to the node's engines through the same-node transport.
+
+    Attributes:
+        leader: the global actor rank that relays (the node's lowest actor rank).
+        engines: indices of the engines it serves (all engines of its node).
+        node: the plan node.
+    """
+
+    leader: int
+    engines: tuple[int, ...]
+    node: int
+
+
+def weight_transport(weight_sync_mode: str, device: str) -> str:
+    """The transport a weight sync uses by default: ``colocated`` -> ``cuda_ipc`` (``device`` ``"cuda"``) or ``shm``
+    (``"cpu"``), both same-node only; ``disaggregated`` -> ``broadcast`` (gloo / NCCL, any node)."""
+    if weight_sync_mode == "colocated":
+        return "cuda_ipc" if device == "cuda" else "shm"
+    return "broadcast"
+
+
+def _plan_transport(plan: PlacementPlan) -> str:
+    return weight_transport("colocated" if plan.colocated else "disaggregated", plan.cluster.device)
+
+
+def weight_relays(plan: PlacementPlan, source_rank: int = 0) -> tuple[WeightRelay, ...]:
+    """The per-node relays of ``plan``'s weight sync: for every node other than ``source_rank``'s that has engines,
+    its lowest actor rank and those engines; () for the ``broadcast`` transport, which reaches every node itself.
+    Nodes whose engines have no actor rank beside them get no relay (:func:`relay_errors` refuses them)."""
+    if _plan_transport(plan) == "broadcast" or not plan.ranks:
+        return ()
+    source_node = plan.ranks[source_rank].node
+    out = []
+    for node in sorted({e.node for e in plan.engines} - {source_node}):
+        leaders = [s.index for s in plan.ranks if s.node == node]
+        if leaders:
+            out.append(WeightRelay(min(leaders), tuple(e.index for e in plan.engines if e.node == node), node))
+    return tuple(out)
+
+
+def relay_errors(plan: PlacementPlan, source_rank: int = 0) -> list[str]:
+    """Why ``plan``'s weight sync could not reach every engine: a same-node transport (``shm``, ``cuda_ipc``) and
+    engines on a node that is neither the source rank's nor has an actor rank to relay to them; [] otherwise."""
+    transport = _plan_transport(plan)
+    if transport == "broadcast" or not plan.ranks:
+        return []
+    served = {plan.ranks[source_rank].node} | {r.node for r in weight_relays(plan, source_rank)}
+    away = [e.index for e in plan.engines if e.node not in served]
+    if not away:
+        return []
+    nodes = sorted({plan.engines[i].node for i in away})
+    return [f"rollout.weight_sync_mode=colocated syncs weights through transport '{transport}' "
+            f"(trainer.device={plan.cluster.device}), which reaches only engines on the node of the rank that sends "
+            f"them, but engines {away} are on node(s) {nodes} of trainer.nnodes={plan.cluster.nnodes} without any "
+            f"actor rank to relay to them (the source rank {source_rank} is on node "
+            f"{plan.ranks[source_rank].node}); place the engines on the actor ranks' nodes or use "
+            f"rollout.weight_sync_mode=disaggregated (transport 'broadcast')"]
+
+
+def _span(indices: Sequence[int]) -> str:
+    if len(indices) > 2 and list(indices) == list(range(indices[0], indices[-1] + 1)):
+        return f"engines {indices[0]}-{indices[-1]}"
+    return ("engine " if len(indices) == 1 else "engines ") + ", ".join(map(str, indices))
+
+
+def format_weight_sync(plan: PlacementPlan, source_rank: int = 0) -> list[str]:
+    """Lines saying who sends the weights to which engines: the source rank, and each node leader's relay."""
+    transport = _plan_transport(plan)
+    relays = weight_relays(plan, source_rank)
+    relayed = {i for r in relays for i in r.engines}
+    direct = [e.index for e in plan.engines if e.index not in relayed]
+    lines = [f"weight sync: transport {transport}; source rank {source_rank} (node {plan.ranks[source_rank].node}) "
+             f"-> {_span(direct)}" if direct else f"weight sync: transport {transport}; source rank {source_rank}"]
+    for r in relays:
+        lines.append(f"weight sync relay: rank {source_rank} -> rank {r.leader} (leader of node {r.node}, "
+                     f"{_plan_transport_backend(plan)}) -> {_span(r.engines)} via {transport}")
+    return lines
+
+
+def _plan_transport_backend(plan: PlacementPlan) -> str:
+    return "NCCL" if plan.cluster.device == "cuda" else "gloo"
+
+
 # --------------------------------------------------------------------------------------------- printing
 def format_plan(plan: PlacementPlan) -> str:
     """The plan as a table: one line per bundle (node, bundle, GPU, resources, members), then the totals."""
@@ -348,7 +454,7 @@ def format_plan(plan: PlacementPlan) -> str:
     else:
         total = (f"total: 0 GPUs (device cpu) on {len(plan.bundles)} node(s); {len(plan.ranks)} actor ranks, "
                  f"{len(plan.engines)} engines ({mode})")
-    return "\n".join(lines + [total])
+    return "\n".join(lines + format_weight_sync(plan) + [total])
 
 
 # --------------------------------------------------------------------------------------------- Ray

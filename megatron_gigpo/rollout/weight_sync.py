@@ -9,7 +9,9 @@ One sync, driven by :func:`sync_weights` on the controller:
    the TP and PP gathers happen inside it). The source rank (``plan.source_rank``, the export's
    destination) validates each bucket against the spec, casts and packs it into one flat buffer, hashes
    it, and sends it through the transport (shared-memory file, gloo/NCCL broadcast, CUDA IPC handle; see
-   :mod:`megatron_gigpo.rollout.transport`). Engines validate again, hash what they received and stage it.
+   :mod:`megatron_gigpo.rollout.transport` and :mod:`megatron_gigpo.rollout.sender`). The same-node transports
+   reach engines on other nodes through each node's leader rank (:attr:`SyncPlan.relays`,
+   :mod:`megatron_gigpo.rollout.relay`). Engines validate again, hash what they received and stage it.
 3. The source commits with its checksum (:mod:`megatron_gigpo.rollout.checksum`). Each engine compares it
    with the checksum of what it staged, loads the weights in place only if they match, resets its prefix
    cache (stale KV blocks), and reports ``(version, checksum)``; the source checks the reports.
@@ -24,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import socket
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -34,16 +35,17 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from megatron_gigpo.deadlines import get_with_deadline
+from megatron_gigpo.placement import weight_transport
 from megatron_gigpo.rollout.checksum import combine_digests, tensor_digest, weights_checksum
-from megatron_gigpo.rollout.transport import (
-    SharedMemoryPool,
-    broadcast_group,
-    cuda_ipc_handle,
-    dtype_from_name,
-    pack_bucket,
-    plan_layout,
-    unpack_bucket,
+from megatron_gigpo.rollout.errors import WeightSyncError
+from megatron_gigpo.rollout.relay import RelaySource, relay_group, serve_node
+from megatron_gigpo.rollout.sender import (
+    SAME_NODE_TRANSPORTS,
+    EngineSender,
+    engine_labels,
+    release_sender_resources,
 )
+from megatron_gigpo.rollout.transport import dtype_from_name, unpack_bucket
 
 __all__ = [
     "WeightSyncError",
@@ -62,11 +64,6 @@ __all__ = [
 TRANSPORTS = ("shm", "broadcast", "cuda_ipc")
 
 log = logging.getLogger(__name__)
-
-
-class WeightSyncError(RuntimeError):
-    """A weight sync failed; the engines kept their previous weights. The message names the tensor,
-    version or checksum at fault."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -161,7 +158,7 @@ class SyncPlan:
     Attributes:
         engines: Ray handles of the :class:`~megatron_gigpo.rollout.engine.RolloutEngine` actors.
         engine_workers: number of vLLM workers (TP size) of each engine, same order.
-        engine_nodes: Ray node id of each engine (the ``shm`` transport needs one node).
+        engine_nodes: Ray node id of each engine (the same-node transports check it against their sender's).
         version: the new weights version; must exceed every engine's current version.
         bucket_size_bytes: export bucket size (``export_hf_weights(bucket_size_bytes=...)``).
         transport: ``"shm"`` | ``"broadcast"`` | ``"cuda_ipc"``.
@@ -173,6 +170,9 @@ class SyncPlan:
             shared memory on the source node between syncs), else close them after each bucket is staged.
         timeout_s: deadline of the whole sync on the source rank (every wait on an engine and the broadcast
             group's timeout), seconds.
+        relays: ``(leader rank, engine indices)`` per node reached through a node leader
+            (:mod:`megatron_gigpo.rollout.relay`; the placement plan's
+            :func:`~megatron_gigpo.placement.weight_relays`); the source serves the other engines itself.
     """
 
     engines: tuple[Any, ...]
@@ -187,6 +187,22 @@ class SyncPlan:
     max_inflight_buckets: int = 2
     reuse_shm: bool = True
     timeout_s: float = 600.0
+    relays: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    @property
+    def relay_leaders(self) -> tuple[int, ...]:
+        """The node leaders' ranks, in relay order."""
+        return tuple(leader for leader, _ in self.relays)
+
+    def relay_engines(self, rank: int) -> tuple[int, ...]:
+        """Indices of the engines ``rank`` relays to (() when it is no leader)."""
+        return next((tuple(engines) for leader, engines in self.relays if leader == rank), ())
+
+    @property
+    def direct_engines(self) -> tuple[int, ...]:
+        """Indices of the engines the source rank serves itself (those no leader relays to)."""
+        relayed = {i for _, engines in self.relays for i in engines}
+        return tuple(i for i in range(len(self.engines)) if i not in relayed)
 
     @property
     def export_dtype(self) -> torch.dtype:
@@ -231,7 +247,7 @@ ABORT_TIMEOUT_S = 60.0
 
 
 def _engine_labels(plan: SyncPlan) -> list[str]:
-    return [f"engine {i}" for i in range(len(plan.engines))]
+    return engine_labels(range(len(plan.engines)))
 
 
 def _remaining(deadline: float) -> float:
@@ -254,6 +270,7 @@ def prepare_sync(
     source_rank: int = 0,
     max_inflight_buckets: int = 2,
     timeout_s: float = 600.0,
+    relays: Sequence[Sequence[Any]] = (),
 ) -> SyncPlan:
     """Build the :class:`SyncPlan` (asks every engine for its spec, worker count and node).
 
@@ -267,9 +284,12 @@ def prepare_sync(
         source_rank: the export's destination rank.
         max_inflight_buckets: >= 1.
         timeout_s: the sync's deadline in seconds (:attr:`SyncPlan.timeout_s`); also this call's.
+        relays: ``(leader rank, engine indices)`` pairs (:func:`megatron_gigpo.placement.weight_relays` gives them
+            for a run's placement plan): engines on other nodes than the source's, reached through a rank on
+            their node. Ignored by the ``broadcast`` transport, which reaches every node itself.
 
     Raises:
-        ValueError: bad argument value.
+        ValueError: bad argument value (also a relay naming the source, an engine twice or an unknown engine).
         WeightSyncError: the engines disagree on their spec.
         megatron_gigpo.deadlines.DeadlineError: an engine did not answer within ``timeout_s``.
     """
@@ -283,9 +303,10 @@ def prepare_sync(
         raise ValueError(f"mode={mode!r}; expected 'colocated' or 'disaggregated'")
     cuda = torch.cuda.is_available()
     if transport == "auto":
-        transport = ("cuda_ipc" if cuda else "shm") if mode == "colocated" else "broadcast"
+        transport = weight_transport(mode, "cuda" if cuda else "cpu")
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r}; expected 'auto' or one of {TRANSPORTS}")
+    relays = _check_relays(relays, len(handles), source_rank) if transport in SAME_NODE_TRANSPORTS else ()
     infos = get_with_deadline([e.sync_info.remote() for e in handles], timeout_s, "sync_info of the rollout engines",
                               labels=[f"engine {i}" for i in range(len(handles))])
     spec = infos[0]["spec"]
@@ -304,7 +325,19 @@ def prepare_sync(
         broadcast_backend="nccl" if cuda else "gloo",
         max_inflight_buckets=max_inflight_buckets,
         timeout_s=float(timeout_s),
+        relays=relays,
     )
+
+
+def _check_relays(relays: Sequence[Sequence[Any]], num_engines: int, source_rank: int):
+    out = tuple((int(r[0]), tuple(int(i) for i in r[1])) for r in relays)
+    engines = [i for _, indices in out for i in indices]
+    leaders = [leader for leader, _ in out]
+    if (len(set(leaders)) != len(leaders) or source_rank in leaders or len(set(engines)) != len(engines)
+            or any(not 0 <= i < num_engines for i in engines)):
+        raise ValueError(f"relays={out}: each leader rank once and not the source rank {source_rank}, each of the "
+                         f"{num_engines} engines at most once")
+    return out
 
 
 def sync_weights(
@@ -317,6 +350,7 @@ def sync_weights(
     mode: str = "colocated",
     method: str = "push_weights",
     timeout_s: float = 600.0,
+    relays: Sequence[Sequence[Any]] = (),
 ) -> dict[str, float]:
     """Push the actor's current weights into every engine as ``version``; returns ``weight_sync/*`` metrics.
 
@@ -330,6 +364,7 @@ def sync_weights(
         method: name of the per-rank method.
         timeout_s: deadline of the sync on the source rank, seconds (the ranks' call gets ``DRIVER_GRACE_S``
             more, so that the source rank's error naming the engine arrives first).
+        relays: per-node relays for engines on other nodes than the source rank's (see :func:`prepare_sync`).
 
     Raises:
         WeightSyncError: the sync failed (an engine that did not answer in time included); every engine still
@@ -339,7 +374,7 @@ def sync_weights(
     import ray
 
     plan = prepare_sync(engines, version=version, bucket_size_bytes=bucket_size_bytes, transport=transport,
-                        mode=mode, timeout_s=timeout_s)
+                        mode=mode, timeout_s=timeout_s, relays=relays)
     try:
         if hasattr(actors, "call_all"):
             results = actors.call_all(method, plan, timeout_s=timeout_s + DRIVER_GRACE_S)
@@ -365,136 +400,20 @@ def sync_weights(
 # Source side
 # ---------------------------------------------------------------------------------------------------------
 
-# Broadcast groups and shm bucket pools of this process (the source rank); built on first use.
-_SENDER_GROUPS: dict[str, Any] = {}
-_SHM_POOL: list[SharedMemoryPool] = []  # at most one
-
-
-def release_sender_resources() -> None:
-    """Free what earlier syncs kept in this (source-rank) process: the shm bucket pool and broadcast groups.
-
-    Optional: process exit frees both too. The next sync rebuilds them (engines re-join a new group).
-    """
-    for pool in _SHM_POOL:
-        pool.close()
-    _SHM_POOL.clear()
-    _SENDER_GROUPS.clear()
-
-
-def _node_ip() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
-def _broadcast_sender(plan: SyncPlan):
-    group = _SENDER_GROUPS.get(plan.group_key)
-    if group is not None:
-        return group
-    host, port = _node_ip(), _free_port()
-    world = 1 + sum(plan.engine_workers)
-    offsets = [1 + sum(plan.engine_workers[:i]) for i in range(len(plan.engines))]
-    refs = [
-        e.join_broadcast_group.remote(host, port, off, world, plan.broadcast_backend, plan.timeout_s)
-        for e, off in zip(plan.engines, offsets)
-    ]
-    group = broadcast_group(host, port, 0, world, plan.broadcast_backend, plan.timeout_s)
-    get_with_deadline(refs, plan.timeout_s, "engines joining the weight broadcast group", labels=_engine_labels(plan))
-    _SENDER_GROUPS[plan.group_key] = group
-    return group
-
-
-class _Sender:
-    """Packs buckets for one transport and issues the engines' receive calls."""
-
-    def __init__(self, plan: SyncPlan):
-        self.plan = plan
-        self.dtype = dtype_from_name(plan.spec.dtype)
-        self.group = _broadcast_sender(plan) if plan.transport == "broadcast" else None
-        self.pool: SharedMemoryPool | None = None
-        if plan.transport == "cuda_ipc":
-            self._check_same_node()  # a CUDA IPC handle opens only on its own node
-        if plan.transport == "shm":
-            self._check_same_node()
-            if not plan.reuse_shm:
-                self.pool = SharedMemoryPool()
-            else:
-                if not _SHM_POOL:
-                    _SHM_POOL.append(SharedMemoryPool())
-                self.pool = _SHM_POOL[0]
-
-    def done(self, bucket) -> None:
-        """A bucket's receivers have staged it: a one-off file can be closed now (their mappings keep it)."""
-        if bucket is not None and not self.plan.reuse_shm:
-            bucket.close()
-
-    def finish(self) -> None:
-        """The sync is over (committed or aborted): pooled files may be rewritten."""
-        if self.pool is not None:
-            self.pool.release_all()
-            if not self.plan.reuse_shm:
-                self.pool.close()
-
-    def _check_same_node(self) -> None:
-        import ray
-
-        if not ray.is_initialized():
-            return
-        here = ray.get_runtime_context().get_node_id()
-        away = [i for i, node in enumerate(self.plan.engine_nodes) if node != here]
-        if away:
-            raise WeightSyncError(
-                f"transport '{self.plan.transport}' needs the engines on the source rank's node; engines {away} are "
-                "elsewhere (use mode='disaggregated' / transport='broadcast'; colocated engines on several nodes "
-                "are not supported yet)"
-            )
-
-    def pack(self, bucket: list[tuple[str, torch.Tensor]]):
-        """Returns (flat buffer, layout, keepalive object)."""
-        layout = plan_layout(bucket, self.dtype)
-        if self.plan.transport == "shm":
-            shm = self.pool.acquire(layout.nbytes)
-            flat, layout = pack_bucket(bucket, self.dtype, out=shm.buffer)
-            return flat, layout, shm
-        device = self.group.device if self.group is not None else bucket[0][1].device
-        flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
-        flat, layout = pack_bucket(bucket, self.dtype, out=flat)
-        return flat, layout, None
-
-    def send(self, flat: torch.Tensor, layout, keepalive) -> list:
-        """Start the engines' receive calls (and, for broadcast, the broadcast itself); returns refs."""
-        wire = layout.to_wire()
-        if self.plan.transport == "shm":
-            desc = {"transport": "shm", "path": keepalive.path, "layout": wire}
-        elif self.plan.transport == "cuda_ipc":
-            desc = {"transport": "cuda_ipc", "handle": cuda_ipc_handle(flat), "layout": wire}
-        else:
-            desc = {"transport": "broadcast", "layout": wire}
-        refs = [e.receive_bucket.remote(desc) for e in self.plan.engines]
-        if self.plan.transport == "broadcast":
-            self.group.broadcast(flat)
-        return refs
-
 
 def _digests(flat: torch.Tensor, layout) -> dict[str, bytes]:
     host = flat if flat.device.type == "cpu" else flat[: layout.nbytes].cpu()
     return {name: tensor_digest(name, view) for name, view in unpack_bucket(host, layout)}
 
 
-def _is_source(plan: SyncPlan) -> bool:
+def _rank() -> int:
     dist = torch.distributed
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    return rank == plan.source_rank
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def push_weights(buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], plan: SyncPlan) -> SyncReport | None:
-    """Run on every actor rank with its export iterator; the source rank sends, the others only iterate.
+    """Run on every actor rank with its export iterator: the source rank sends, node leaders relay
+    (:mod:`megatron_gigpo.rollout.relay`), the others only iterate.
 
     Args:
         buckets: ``export_hf_weights(model, bucket_size_bytes=plan.bucket_size_bytes)`` of this rank:
@@ -506,46 +425,47 @@ def push_weights(buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], plan: Sy
 
     Raises:
         WeightSyncError: on the source rank, after the iterator is exhausted (so the other ranks' collectives
-            complete) and every engine has aborted the update.
+            complete) and every engine has aborted the update; a node leader's failure is raised here too.
     """
+    rank = _rank()
+    if plan.relays:
+        relay_group(plan)  # a collective of every actor rank, the first time
+    if rank == plan.source_rank:
+        return _push_from_source(buckets, plan)
+    if plan.relay_engines(rank):
+        serve_node(buckets, plan, rank)
+        return None
+    for _ in buckets:
+        pass
+    return None
+
+
+def _push_from_source(buckets, plan: SyncPlan) -> SyncReport:
     import ray
 
-    if not _is_source(plan):
-        for _ in buckets:
-            pass
-        return None
     start = time.perf_counter()
     deadline = time.monotonic() + plan.timeout_s
     labels = _engine_labels(plan)
     report = SyncReport(plan.version, "", 0, 0, 0)
     error: BaseException | None = None
-    sender: _Sender | None = None
+    sender: EngineSender | None = None
+    relay = RelaySource(plan)
     try:
         get_with_deadline([e.begin_weight_update.remote(plan.version) for e in plan.engines], _remaining(deadline),
                           f"begin_weight_update (version {plan.version}) on the rollout engines", labels=labels)
-        sender = _Sender(plan)
-        digests = _send_all(buckets, plan, sender, report, deadline)
+        sender = EngineSender(plan, plan.direct_engines, f"the source rank {plan.source_rank}")
+        digests = _send_all(buckets, plan, sender, relay, report, deadline)
+        _raise_relay_errors(relay.close())
         plan.spec.check_complete(set(digests))
         report.checksum = combine_digests(digests)
-        tick = time.perf_counter()
-        results = get_with_deadline(
-            [e.commit_weight_update.remote(plan.version, report.checksum) for e in plan.engines],
-            _remaining(deadline), f"commit_weight_update (version {plan.version}) on the rollout engines",
-            labels=labels)
-        report.commit_s = time.perf_counter() - tick
-        for i, (version, checksum) in enumerate(results):
-            if (version, checksum) != (plan.version, report.checksum):
-                raise WeightSyncError(
-                    f"engine {i} reports weights (version {version}, checksum {checksum}) after the sync of "
-                    f"(version {plan.version}, checksum {report.checksum})"
-                )
+        _commit(plan, report, deadline)
     except ray.exceptions.RayTaskError as exc:
         error = WeightSyncError(str(_remote_error(exc)))
         error.__cause__ = exc
     except BaseException as exc:  # noqa: BLE001 - every failure must abort the engines' staged update
         error = exc
     if error is not None:
-        _abort(buckets, plan)
+        _abort(buckets, plan, relay)
     if sender is not None:
         sender.finish()
     if error is not None:
@@ -557,12 +477,39 @@ def push_weights(buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], plan: Sy
     return report
 
 
-def _abort(buckets, plan: SyncPlan) -> None:
-    """Finish the export (the other ranks may be inside its collectives) and drop every engine's staging."""
+def _raise_relay_errors(failures: dict[int, str]) -> None:
+    if failures:
+        raise WeightSyncError("relay to the engines of another node failed: " + "; ".join(failures.values()))
+
+
+def _commit(plan: SyncPlan, report: SyncReport, deadline: float) -> None:
+    """Every engine checks the checksum of what it staged against the source's and loads; check the reports."""
+    tick = time.perf_counter()
+    results = get_with_deadline(
+        [e.commit_weight_update.remote(plan.version, report.checksum) for e in plan.engines],
+        _remaining(deadline), f"commit_weight_update (version {plan.version}) on the rollout engines",
+        labels=_engine_labels(plan))
+    report.commit_s = time.perf_counter() - tick
+    for i, (version, checksum) in enumerate(results):
+        if (version, checksum) != (plan.version, report.checksum):
+            raise WeightSyncError(
+                f"engine {i} reports weights (version {version}, checksum {checksum}) after the sync of "
+                f"(version {plan.version}, checksum {report.checksum})"
+            )
+
+
+def _abort(buckets, plan: SyncPlan, relay: RelaySource) -> None:
+    """Finish the export (the other ranks may be inside its collectives; the leaders learn of the abort at the
+    next bucket), collect the leaders' statuses, and drop every engine's staging."""
     import ray
 
     for _ in buckets:
-        pass
+        relay.abort()
+    try:
+        for text in relay.close().values():
+            log.warning("weight sync aborted; %s", text)
+    except Exception as exc:  # noqa: BLE001 - an out-of-step relay must not hide the sync's error
+        log.warning("the relay's status exchange failed: %s", exc)
     try:
         get_with_deadline([e.abort_weight_update.remote() for e in plan.engines], ABORT_TIMEOUT_S,
                           "abort_weight_update on the rollout engines", labels=_engine_labels(plan))
@@ -570,7 +517,9 @@ def _abort(buckets, plan: SyncPlan) -> None:
         log.warning("abort_weight_update failed on an engine: %s", exc)
 
 
-def _send_all(buckets, plan: SyncPlan, sender: _Sender, report: SyncReport, deadline: float) -> dict[str, bytes]:
+def _send_all(buckets, plan: SyncPlan, sender: EngineSender, relay: RelaySource, report: SyncReport,
+              deadline: float) -> dict[str, bytes]:
+    """Validate, pack, hash and send every bucket: to the source's own engines and to the node leaders."""
     digests: dict[str, bytes] = {}
     seen: set[str] = set()
     inflight: deque = deque()  # (refs, keepalive, flat)
@@ -581,7 +530,7 @@ def _send_all(buckets, plan: SyncPlan, sender: _Sender, report: SyncReport, dead
             tick = time.perf_counter()
             try:
                 get_with_deadline(refs, _remaining(deadline), f"receive_bucket (version {plan.version}) on the "
-                                  "rollout engines", labels=_engine_labels(plan))
+                                  "rollout engines", labels=sender.labels)
             finally:
                 sender.done(keepalive)
             report.send_s += time.perf_counter() - tick
@@ -590,25 +539,39 @@ def _send_all(buckets, plan: SyncPlan, sender: _Sender, report: SyncReport, dead
         tick = time.perf_counter()
         for bucket in buckets:
             report.export_s += time.perf_counter() - tick
-            bucket = list(bucket)
-            if bucket:
-                for name, tensor in bucket:
-                    plan.spec.check_tensor(name, tensor.shape, seen)
-                t0 = time.perf_counter()
-                flat, layout, keepalive = sender.pack(bucket)
-                t1 = time.perf_counter()
-                digests.update(_digests(flat, layout))
-                t2 = time.perf_counter()
-                report.pack_s += t1 - t0
-                report.hash_s += t2 - t1
-                settle(plan.max_inflight_buckets - 1)
-                inflight.append((sender.send(flat, layout, keepalive), keepalive, flat))
-                report.num_buckets += 1
-                report.num_tensors += len(bucket)
-                report.bytes += layout.nbytes
+            try:
+                _send_one(list(bucket), plan, sender, relay, report, digests, seen, settle, inflight)
+            except BaseException:
+                relay.abort()  # in this bucket's turn: the leaders wait for its header before their next bucket
+                raise
             tick = time.perf_counter()
         settle(0)
     finally:
         for _, keepalive, _ in inflight:
             sender.done(keepalive)
     return digests
+
+
+def _send_one(bucket, plan: SyncPlan, sender: EngineSender, relay: RelaySource, report: SyncReport,
+              digests: dict[str, bytes], seen: set[str], settle, inflight: deque) -> None:
+    if not bucket:
+        relay.skip()
+        return
+    for name, tensor in bucket:
+        plan.spec.check_tensor(name, tensor.shape, seen)
+    t0 = time.perf_counter()
+    flat, layout, keepalive = sender.pack(bucket)
+    t1 = time.perf_counter()
+    digests.update(_digests(flat, layout))
+    t2 = time.perf_counter()
+    report.pack_s += t1 - t0
+    report.hash_s += t2 - t1
+    settle(plan.max_inflight_buckets - 1)
+    refs = sender.send(flat, layout, keepalive)
+    inflight.append((refs, keepalive, flat))
+    t3 = time.perf_counter()
+    relay.send(flat, layout)  # the leaders hand it to their engines while this rank exports the next bucket
+    report.send_s += time.perf_counter() - t3
+    report.num_buckets += 1
+    report.num_tensors += len(bucket)
+    report.bytes += layout.nbytes

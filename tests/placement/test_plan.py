@@ -162,3 +162,47 @@ def test_the_plan_is_pure_and_printed_with_its_total():
     assert text.splitlines()[-1] == ("total: 16 GPUs on 2 node(s) (8, 8 per node); 16 actor ranks, 8 engines x TP2 "
                                      "(colocated)")
     assert "rank 9 (0.5 GPU); engine 4 TP2 worker 1 (0.4 GPU)" in text
+
+
+def test_engines_on_other_nodes_get_the_weights_through_their_nodes_leader(capsys):
+    from megatron_gigpo.placement import WeightRelay, format_weight_sync, weight_relays
+
+    recipe = RECIPES / "search_qa/qwen2.5-7b-instruct.yaml"
+    plan = plan_placement(load_config(recipe))
+    # rank 8 is node 1's lowest rank; engines 4-7 share node 1's GPUs with ranks 8-15
+    assert weight_relays(plan) == (WeightRelay(leader=8, engines=(4, 5, 6, 7), node=1),)
+    assert {plan.ranks[8].node} == {plan.engines[i].node for i in (4, 5, 6, 7)} == {1}
+    assert format_weight_sync(plan) == [
+        "weight sync: transport cuda_ipc; source rank 0 (node 0) -> engines 0-3",
+        "weight sync relay: rank 0 -> rank 8 (leader of node 1, NCCL) -> engines 4-7 via cuda_ipc"]
+    assert main(["validate", str(recipe), "--plan"]) == 0
+    assert "weight sync relay: rank 0 -> rank 8 (leader of node 1, NCCL) -> engines 4-7" in capsys.readouterr().out
+    # CPU, two nodes of one rank each: rank 1 relays (shm, gloo) to the engine beside it.
+    cpu = plan_placement(load_config(RECIPES / "smoke/cpu.yaml", ["trainer.nnodes=2", "trainer.devices_per_node=1",
+                                                                  "rollout.num_engines=2"]))
+    assert weight_relays(cpu) == (WeightRelay(1, (1,), 1),)
+    assert format_weight_sync(cpu)[1] == ("weight sync relay: rank 0 -> rank 1 (leader of node 1, gloo) -> engine 1 "
+                                          "via shm")
+    # One node, or the broadcast transport: no relay.
+    assert weight_relays(plan_placement(load_config(ALF_7B))) == ()
+    disaggregated = plan_placement(load_config(SOKOBAN, ["trainer.nnodes=2", "rollout.weight_sync_mode=disaggregated"]),
+                                   ClusterShape(2, 2))
+    assert {e.node for e in disaggregated.engines} == {1} and weight_relays(disaggregated) == ()
+
+
+def test_a_same_node_transport_that_cannot_reach_an_engine_is_refused_naming_the_keys():
+    import dataclasses
+
+    from megatron_gigpo.placement import relay_errors
+
+    plan = plan_placement(load_config(RECIPES / "search_qa/qwen2.5-7b-instruct.yaml"))
+    assert relay_errors(plan) == []
+    # No colocated layout the planner makes leaves a node's engines without an actor rank, so build one: the
+    # same engines, with the ranks of node 1 gone.
+    stranded = dataclasses.replace(plan, ranks=plan.ranks[:8])
+    (error,) = relay_errors(stranded)
+    for part in ("rollout.weight_sync_mode=colocated", "transport 'cuda_ipc'", "trainer.device=cuda",
+                 "engines [4, 5, 6, 7] are on node(s) [1] of trainer.nnodes=2", "without any actor rank",
+                 "rollout.weight_sync_mode=disaggregated (transport 'broadcast')"):
+        assert part in error
+    assert relay_errors(dataclasses.replace(stranded, colocated=False)) == []  # broadcast reaches every node

@@ -12,21 +12,12 @@ plan's actors hold their shares at the same time, so a plan that over-books a bu
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from megatron_gigpo.config import load_config
-from megatron_gigpo.ray_setup import local_ray_env
 from megatron_gigpo.placement import (
     PlacementPlan,
     create_placement_groups,
@@ -72,83 +63,13 @@ def _layouts() -> list[Layout]:
 LAYOUTS = _layouts()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for_port(port: int, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.5)
-    raise TimeoutError(f"the stand-in Ray head did not listen on port {port}")
-
-
-def _stop(procs: list[subprocess.Popen], root: Path) -> None:
-    """SIGTERM each blocking `ray start` (it stops its node's processes), then kill what is left of ours: the
-    processes started in ``root`` (Ray's agents rename themselves, so they are found by working directory)."""
-    for proc in procs:
-        proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            if os.readlink(f"/proc/{pid}/cwd") == str(root):
-                os.kill(pid, signal.SIGKILL)
-        except (FileNotFoundError, PermissionError, ProcessLookupError):
-            continue
-
-
 @pytest.fixture(scope="module")
 def stand_in_cluster():
     """A two-node Ray cluster with 8 stand-in GPUs per node; the test process is its driver."""
-    import ray
+    from stand_in_cluster import stand_in_cluster as cluster
 
-    if shutil.which("ray") is None:
-        pytest.skip("the `ray` command is not installed")
-    root = Path(tempfile.mkdtemp(prefix="rpl", dir="/tmp"))  # short: Ray's socket paths must stay < 108 chars
-    port = _free_port()
-    procs: list[subprocess.Popen] = []
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        # Token authentication as every run has it: one fresh token for the nodes and the driver.
-        with local_ray_env(), pytest.MonkeyPatch.context() as mp:
-            mp.delenv("RAY_ADDRESS", raising=False)
-            mp.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)  # two nodes on 127.0.0.1 and 127.0.0.2
-            env = dict(os.environ) | {"PYTHONPATH": os.pathsep.join([str(REPO), str(HERE),
-                                                                     os.environ.get("PYTHONPATH", "")])}
-            for i in range(NODES):
-                args = ["ray", "start", "--block", f"--num-cpus={CPUS_PER_NODE}", f"--num-gpus={GPUS_PER_NODE}",
-                        f"--resources={json.dumps({f'stand_in_node_{i}': 1})}", f"--temp-dir={root}/n{i}",
-                        "--disable-usage-stats"]
-                if i == 0:
-                    args += ["--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--include-dashboard=false"]
-                else:
-                    args += [f"--address=127.0.0.1:{port}", f"--node-ip-address=127.0.0.{i + 1}"]
-                with open(root / f"ray-start-{i}.log", "w") as log:
-                    procs.append(subprocess.Popen(args, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                  start_new_session=True))
-                if i == 0:
-                    _wait_for_port(port, deadline)
-            ray.init(address=f"127.0.0.1:{port}", logging_level="ERROR", log_to_driver=False)
-            while len([n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU")]) < NODES:
-                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                    logs = "\n".join((root / f"ray-start-{i}.log").read_text()[-2000:] for i in range(len(procs)))
-                    pytest.fail(f"the stand-in cluster did not come up with {NODES} nodes:\n{logs}")
-                time.sleep(0.5)
-            yield
-            ray.shutdown()  # before the token is removed
-    finally:
-        ray.shutdown()
-        _stop(procs, root)
-        shutil.rmtree(root, ignore_errors=True)
+    with cluster(NODES, CPUS_PER_NODE, GPUS_PER_NODE, [REPO, HERE], TIMEOUT_S):
+        yield
 
 
 def _check(slot, report: dict, group_ids: list[str], group_nodes: list[str]) -> None:

@@ -165,6 +165,6 @@ class StateDictRank:
     def shm_pool_files(self) -> list[str]:
         """Sorted paths of the files in this process's shm bucket pool (empty without a pool). Reads the
         pool's internals: the product has no reason to list them."""
-        from megatron_gigpo.rollout import weight_sync
+        from megatron_gigpo.rollout import sender
 
-        return sorted(b.path for pool in weight_sync._SHM_POOL for b in pool._free + pool._busy)
+        return sorted(b.path for pool in sender._SHM_POOL for b in pool._free + pool._busy)

@@ -169,3 +169,17 @@ def _broadcast_member(rank: int, world_size: int, port: int) -> list[float]:
 def test_gloo_broadcast_group_without_default_process_group():
     results = spawn(_broadcast_member, 3, free_port(), timeout=120)
     assert results[1] == results[0] and results[2] == results[0]
+
+
+def test_sync_plan_splits_the_engines_between_the_source_and_the_node_leaders():
+    from megatron_gigpo.rollout.weight_sync import SyncPlan, WeightSpec, _check_relays
+
+    spec = WeightSpec(shapes={"w": (2,)}, optional={}, dtype="float32")
+    plan = SyncPlan(engines=tuple(range(6)), engine_workers=(1,) * 6, engine_nodes=("a",) * 3 + ("b",) * 3, version=1,
+                    bucket_size_bytes=1, transport="shm", spec=spec, relays=((4, (3, 4, 5)),))
+    assert plan.direct_engines == (0, 1, 2) and plan.relay_leaders == (4,)
+    assert plan.relay_engines(4) == (3, 4, 5) and plan.relay_engines(1) == ()
+    assert _check_relays([(4, [3, 4, 5])], 6, 0) == ((4, (3, 4, 5)),)
+    for bad in ([(0, (3,))], [(4, (3,)), (4, (5,))], [(4, (3,)), (5, (3,))], [(4, (6,))]):
+        with pytest.raises(ValueError, match="each leader rank once and not the source rank 0"):
+            _check_relays(bad, 6, 0)
