@@ -12,6 +12,9 @@ from pathlib import Path
 def _cmd_validate(args: argparse.Namespace) -> int:
     from megatron_gigpo.config import load_config
 
+    if args.gpu_memory_gib is not None and not args.plan:
+        print("megatron-gigpo validate: --gpu-memory-gib is only read with --plan", file=sys.stderr)
+        return 2
     cfg = load_config(args.recipe, args.overrides)
     if args.preflight:
         from megatron_gigpo.preflight import preflight
@@ -25,7 +28,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         f"{cfg.env.num_groups} groups x {cfg.rollout.n} rollouts"
     )
     if args.plan:
-        _print_plan(cfg, args.gpu_memory_gib)
+        _print_plan(cfg, 80.0 if args.gpu_memory_gib is None else args.gpu_memory_gib)
     return 0
 
 
@@ -156,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     va.add_argument("--preflight", action="store_true", help="also check data directories, devices and services")
     va.add_argument("--plan", action="store_true",
                     help="print the placement plan (bundles, ranks, engines, GPU count) and a per-GPU memory estimate")
-    va.add_argument("--gpu-memory-gib", type=_gib, default=80.0, help="GPU memory for the --plan estimate (GiB)")
+    va.add_argument("--gpu-memory-gib", type=_gib, default=None,
+                    help="GPU memory for the --plan estimate (GiB, default 80); only with --plan")
     va.set_defaults(func=_cmd_validate)
     de = recipe_cmd("demos", "write expert demonstrations (chat JSONL) for a supervised cold start")
     de.add_argument("--out", required=True, help="JSONL file to write (atomically)")

@@ -447,13 +447,14 @@ def format_plan(plan: PlacementPlan) -> str:
             lines.append(f"{n:>4} {b:>6} {b if gpu else '-':>4}  {text:<22} " + "; ".join(members.get((n, b), [])))
     mode = "colocated" if plan.colocated else "disaggregated"
     tp = plan.engines[0].tp if plan.engines else 1
+    ranks = _count(len(plan.ranks), "actor rank")
+    engines = _count(len(plan.engines), "engine")
     if gpu:
         total = (f"total: {plan.total_gpus} GPUs on {len(plan.bundles)} node(s) "
-                 f"({', '.join(map(str, plan.gpus_per_node))} per node); {len(plan.ranks)} actor ranks, "
-                 f"{len(plan.engines)} engines x TP{tp} ({mode})")
+                 f"({', '.join(map(str, plan.gpus_per_node))} per node); {ranks}, "
+                 f"{engines} x TP{tp} ({mode})")
     else:
-        total = (f"total: 0 GPUs (device cpu) on {len(plan.bundles)} node(s); {len(plan.ranks)} actor ranks, "
-                 f"{len(plan.engines)} engines ({mode})")
+        total = f"total: 0 GPUs (device cpu) on {len(plan.bundles)} node(s); {ranks}, {engines} ({mode})"
     return "\n".join(lines + format_weight_sync(plan) + [total])
 
 
@@ -514,3 +515,8 @@ def engine_options(groups: Sequence[Any], engine: EnginePlacement) -> dict[str, 
     if engine.env_vars:
         options["runtime_env"] = {"env_vars": dict(engine.env_vars)}
     return options
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 engine``, ``4 engines``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

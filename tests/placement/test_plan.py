@@ -92,6 +92,17 @@ def test_gpu_memory_gib_sets_the_budget_of_the_estimate(capsys):
     out = capsys.readouterr().out
     assert "against 40 GiB" in out and "8 GPU(s) over 40 GiB" in out
 
+
+def test_gpu_memory_gib_without_plan_is_refused(capsys):
+    # It only sets the --plan estimate's budget; given alone it used to be ignored without a word.
+    assert main(["validate", str(ALF_7B), "--gpu-memory-gib", "40"]) == 2
+    assert "--gpu-memory-gib is only read with --plan" in capsys.readouterr().err
+
+
+def test_plan_summary_counts_in_the_singular(capsys):
+    assert main(["validate", str(RECIPES / "cpu/sokoban.yaml"), "--plan"]) == 0
+    assert "1 actor rank, 1 engine (colocated)" in capsys.readouterr().out
+
 @pytest.mark.parametrize(
     "recipe, overrides, message",
     [
