@@ -9,6 +9,10 @@ import warnings
 from pathlib import Path
 
 
+#: ``validate --plan``'s GPU size when ``--gpu-memory-gib`` is not given (an 80 GiB A100/H100).
+DEFAULT_GPU_MEMORY_GIB = 80.0
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     from megatron_gigpo.config import load_config
 
@@ -28,7 +32,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         f"{cfg.env.num_groups} groups x {cfg.rollout.n} rollouts"
     )
     if args.plan:
-        _print_plan(cfg, 80.0 if args.gpu_memory_gib is None else args.gpu_memory_gib)
+        _print_plan(cfg, DEFAULT_GPU_MEMORY_GIB if args.gpu_memory_gib is None else args.gpu_memory_gib)
     return 0
 
 
@@ -160,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     va.add_argument("--plan", action="store_true",
                     help="print the placement plan (bundles, ranks, engines, GPU count) and a per-GPU memory estimate")
     va.add_argument("--gpu-memory-gib", type=_gib, default=None,
-                    help="GPU memory for the --plan estimate (GiB, default 80); only with --plan")
+                    help=f"GPU memory for the --plan estimate (GiB, default {DEFAULT_GPU_MEMORY_GIB:g}); only with --plan")
     va.set_defaults(func=_cmd_validate)
     de = recipe_cmd("demos", "write expert demonstrations (chat JSONL) for a supervised cold start")
     de.add_argument("--out", required=True, help="JSONL file to write (atomically)")

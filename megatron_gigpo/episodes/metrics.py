@@ -94,9 +94,10 @@ def no_effect_rate(traj_ids: Sequence[str], step_index: Sequence[int], anchors: 
     """``action/no_effect_rate``: the share of steps after which the observation anchor did not change.
 
     Counted over the rows that have a next step in their trajectory (row t and row t + 1 of one ``traj_id``).
-    A step without effect (Sokoban: walking into a wall or pushing a box against one; ALFWorld: "Nothing
-    happens.") leaves the agent in the same anchor state, so it lands in the same GiGPO step group as the step
-    after it. Empty dict when no row has a successor.
+    A step without effect (Sokoban: walking into a wall or pushing a box against one) leaves the agent in the
+    same anchor state, so it lands in the same GiGPO step group as the step after it. Where the anchor is the
+    observation text (ALFWorld), only a repeated identical observation counts. Empty dict when no row has a
+    successor.
 
     Raises:
         ValueError: the three sequences differ in length.
