@@ -47,7 +47,7 @@ from megatron_gigpo.config import Config, ConfigError
 __all__ = [
     "ClusterShape", "Slot", "EnginePlacement", "PlacementPlan", "PlacementError", "WeightRelay",
     "plan_placement", "placement_errors", "format_plan", "format_weight_sync", "weight_transport", "weight_relays",
-    "relay_errors",
+    "relay_errors", "relay_backend",
     "create_placement_groups", "remove_placement_groups", "slot_options", "engine_options",
     "GPU_RANK_SHARE", "GPU_ENGINE_SHARE", "CPU_RANK_SHARE", "CPU_ENGINE_SHARE", "GPU_SLOT_CPUS",
 ]
@@ -415,14 +415,17 @@ def format_weight_sync(plan: PlacementPlan, source_rank: int = 0) -> list[str]:
     direct = [e.index for e in plan.engines if e.index not in relayed]
     lines = [f"weight sync: transport {transport}; source rank {source_rank} (node {plan.ranks[source_rank].node}) "
              f"-> {_span(direct)}" if direct else f"weight sync: transport {transport}; source rank {source_rank}"]
+    backend = {"nccl": "NCCL"}.get(relay_backend(transport), "gloo")
     for r in relays:
         lines.append(f"weight sync relay: rank {source_rank} -> rank {r.leader} (leader of node {r.node}, "
-                     f"{_plan_transport_backend(plan)}) -> {_span(r.engines)} via {transport}")
+                     f"{backend}) -> {_span(r.engines)} via {transport}")
     return lines
 
 
-def _plan_transport_backend(plan: PlacementPlan) -> str:
-    return "NCCL" if plan.cluster.device == "cuda" else "gloo"
+def relay_backend(transport: str) -> str:
+    """The torch.distributed backend of the relay group for a same-node ``transport``: ``"nccl"`` for
+    ``cuda_ipc`` (the buckets live on a GPU), else ``"gloo"`` (``shm`` buffers are CPU memory)."""
+    return "nccl" if transport == "cuda_ipc" else "gloo"
 
 
 # --------------------------------------------------------------------------------------------- printing

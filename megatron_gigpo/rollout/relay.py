@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import torch
 
 from megatron_gigpo.deadlines import get_with_deadline
+from megatron_gigpo.placement import relay_backend
 from megatron_gigpo.rollout.sender import EngineSender
 from megatron_gigpo.rollout.transport import BucketLayout
 
@@ -43,9 +44,9 @@ GROUP_GRACE_S = 60.0
 _RELAY_GROUPS: dict[tuple[tuple[int, ...], str], Any] = {}
 
 
-def relay_backend(plan) -> str:
-    """``"nccl"`` when the buckets live on a GPU (``cuda_ipc``), else ``"gloo"`` (``shm`` buffers are CPU memory)."""
-    return "nccl" if plan.transport == "cuda_ipc" else "gloo"
+def _backend(plan) -> str:
+    """The relay group's backend for the sync's transport (:func:`megatron_gigpo.placement.relay_backend`)."""
+    return relay_backend(plan.transport)
 
 
 def relay_group(plan) -> Any:
@@ -55,7 +56,7 @@ def relay_group(plan) -> Any:
     default group); non-members get torch's non-member token.
     """
     members = tuple(sorted({plan.source_rank, *plan.relay_leaders}))
-    key = (members, relay_backend(plan))
+    key = (members, _backend(plan))
     if key not in _RELAY_GROUPS:
         _RELAY_GROUPS[key] = torch.distributed.new_group(
             ranks=list(members), backend=key[1],
@@ -68,7 +69,7 @@ class _Link:
 
     def __init__(self, plan, group):
         self.plan, self.group = plan, group
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if relay_backend(plan) == "nccl"
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if _backend(plan) == "nccl"
                        else torch.device("cpu"))
 
     def bcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
