@@ -148,11 +148,12 @@ def validate_config(cfg: Config, source: str = "config") -> None:
         errors.append(f"optim.min_lr={cfg.optim.min_lr} must be in [0, optim.lr={cfg.optim.lr}]")
     if not t.experiment_name.strip() or Path(t.experiment_name).name != t.experiment_name:
         errors.append(f"trainer.experiment_name={t.experiment_name!r} must be a plain, non-empty folder name")
-    if t.micro_batch_tokens < r.prompt_length + r.response_length:
-        errors.append(
-            f"trainer.micro_batch_tokens={t.micro_batch_tokens} is smaller than one row "
-            f"(rollout.prompt_length + rollout.response_length = {r.prompt_length + r.response_length})"
-        )
+    for key in ("micro_batch_tokens", "log_prob_micro_batch_tokens"):
+        if getattr(t, key) < r.prompt_length + r.response_length:
+            errors.append(
+                f"trainer.{key}={getattr(t, key)} is smaller than one row "
+                f"(rollout.prompt_length + rollout.response_length = {r.prompt_length + r.response_length})"
+            )
     errors += _sft_errors(cfg.sft, dp, e.name)
     if errors:
         raise ConfigError(f"{source}: " + "; ".join(errors))

@@ -156,6 +156,10 @@ def test_missing_required_and_missing_file(tmp_path):
          r"of model.path 'Qwen/Qwen2.5-1.5B-Instruct'"),
         ({"model": {"path": "builtin:smollm2-135m-instruct"}, "rollout": {"prompt_length": 8000},
           "trainer": {"micro_batch_tokens": 9000}}, r"= 8512 tokens exceeds the max_position_embeddings=8192"),
+        ({"trainer": {"micro_batch_tokens": 100}}, r"trainer.micro_batch_tokens=100 is smaller than one row"),
+        ({"trainer": {"log_prob_micro_batch_tokens": 100}},
+         r"trainer.log_prob_micro_batch_tokens=100 is smaller than one row \(rollout.prompt_length \+ "
+         r"rollout.response_length = \d+\)"),
     ],
 )
 def test_cross_field_checks(tmp_path, extra, message):
