@@ -90,6 +90,7 @@ def alfworld_cfg(shared_dir):
     return load_config(ROOT / "recipes/smoke/alfworld-cpu.yaml", [
         f"env.data_dir={data}", "env.alfworld.train_split_dir=valid_unseen", "env.max_steps=50",
         "env.prompt_template=compact", "rollout.prompt_length=4096", "trainer.micro_batch_tokens=8192",
+        "trainer.log_prob_micro_batch_tokens=8192",
     ])
 
 
