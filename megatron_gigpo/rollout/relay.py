@@ -44,11 +44,6 @@ GROUP_GRACE_S = 60.0
 _RELAY_GROUPS: dict[tuple[tuple[int, ...], str], Any] = {}
 
 
-def _backend(plan) -> str:
-    """The relay group's backend for the sync's transport (:func:`megatron_gigpo.placement.relay_backend`)."""
-    return relay_backend(plan.transport)
-
-
 def relay_group(plan) -> Any:
     """The subgroup ``(source rank, leaders...)`` of the actor ranks' default group (cached).
 
@@ -56,7 +51,7 @@ def relay_group(plan) -> Any:
     default group); non-members get torch's non-member token.
     """
     members = tuple(sorted({plan.source_rank, *plan.relay_leaders}))
-    key = (members, _backend(plan))
+    key = (members, relay_backend(plan.transport))
     if key not in _RELAY_GROUPS:
         _RELAY_GROUPS[key] = torch.distributed.new_group(
             ranks=list(members), backend=key[1],
@@ -69,7 +64,7 @@ class _Link:
 
     def __init__(self, plan, group):
         self.plan, self.group = plan, group
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if _backend(plan) == "nccl"
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if relay_backend(plan.transport) == "nccl"
                        else torch.device("cpu"))
 
     def bcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
