@@ -25,7 +25,7 @@ bash scripts/es_up.sh
 bash scripts/slurm_up.sh
 
 set +e
-python3 -m pytest -m "not gpu" -p no:cacheprovider "$@" tests
+python3 -m pytest -m "not gpu" -p no:cacheprovider --durations=25 "$@" tests
 rc=$?
 set -e
 # pytest exits 5 when nothing was collected: that is a failure of the suite, not a pass.
