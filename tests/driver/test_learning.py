@@ -38,9 +38,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slo
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes/cpu/sokoban.yaml"
-# The README recipe, shrunk: 400 demonstration episodes (3 epochs) instead of 8,000 (1 epoch), three RL iterations.
+# The README recipe from its shrunk cold start (``small_cold_start`` in conftest.py), three RL iterations.
 ITERATIONS = 3
-SMALL = ["sft.demos.num_episodes=400", "sft.epochs=3", "logging.progress_bars=false", "checkpoint.save_every=0"]
+SMALL = ["logging.progress_bars=false", "checkpoint.save_every=0"]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -53,21 +53,11 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def cold_start(tmp_path_factory) -> Path:
-    """The SFT export of the shrunk README recipe (demonstrations + SFT on the random model)."""
-    out = tmp_path_factory.mktemp("learning")
-    _cli("sft", str(RECIPE), f"trainer.output_dir={out}", "trainer.experiment_name=cold", *SMALL)
-    model = out / "cold" / "sft" / "hf"
-    assert (model / "config.json").is_file()
-    return model
-
-
-@pytest.fixture(scope="module")
-def rl_records(cold_start, tmp_path_factory) -> list[dict]:
+def rl_records(small_cold_start, tmp_path_factory) -> list[dict]:
     """Metrics of three GiGPO iterations from the cold start (validation before RL and after the third)."""
     out = tmp_path_factory.mktemp("rl")
     _cli("train", str(RECIPE), f"trainer.output_dir={out}", "trainer.experiment_name=rl", *SMALL,
-         f"model.path={cold_start}", "model.init=pretrained", "sft.enabled=false", f"trainer.total_iterations={ITERATIONS}",
+         f"model.path={small_cold_start}", "model.init=pretrained", "sft.enabled=false", f"trainer.total_iterations={ITERATIONS}",
          f"trainer.val_every={ITERATIONS}", "trainer.update_effect_metrics=true")
     records = read_metrics(out / "rl")
     assert [r["step"] for r in records] == list(range(ITERATIONS + 1))
