@@ -139,3 +139,29 @@ def solve_grid(text: str, max_states: int = DEFAULT_MAX_STATES) -> list[str]:
     """:func:`solve` on a text grid (raises as :func:`parse_grid` and :func:`solve`)."""
     room, state = parse_grid(text)
     return solve(room, state, max_states)
+
+
+def optimal_moves(text: str, max_states: int = DEFAULT_MAX_STATES) -> frozenset[str]:
+    """The moves of :data:`MOVES` after which the shortest solution of the text grid is one move shorter:
+    every first move of some shortest plan. Empty when the room is solved already or cannot be solved
+    (also from the start). A blocked move (into a wall, or pushing a box into one) is never optimal.
+
+    Raises:
+        ValueError: as :func:`parse_grid`.
+    """
+    room, state = parse_grid(text)
+    try:
+        remaining = len(solve(room, state, max_states))
+    except UnsolvableError:
+        return frozenset()
+    best = set()
+    for move in MOVES:
+        nxt = apply_move(room, state, move)
+        if nxt == state or remaining == 0:
+            continue
+        try:
+            if len(solve(room, nxt, max_states)) == remaining - 1:
+                best.add(move)
+        except UnsolvableError:
+            pass
+    return frozenset(best)

@@ -16,7 +16,7 @@ from megatron_gigpo.env_settings import load_task_list
 from megatron_gigpo.envs.expert import Expert, ExpertMove
 from megatron_gigpo.envs.recipe import EnvRecipe
 from megatron_gigpo.envs.sokoban import SokobanEnv, load_tasks
-from megatron_gigpo.envs.sokoban_solver import UnsolvableError, parse_grid, solve, solve_grid
+from megatron_gigpo.envs.sokoban_solver import UnsolvableError, optimal_moves, parse_grid, solve, solve_grid
 from megatron_gigpo.episodes.prompts import PromptTooLongError
 
 pytestmark = pytest.mark.unit
@@ -57,6 +57,17 @@ def _episodes(rows: list[dict]) -> dict[int, list[dict]]:
 )
 def test_known_plans(grid, plan):
     assert solve_grid(grid) == plan
+
+
+def test_optimal_moves_are_the_first_moves_of_every_shortest_plan():
+    # One way round the box (up, left, then push down); left would push the box away, right is longer.
+    assert optimal_moves("# # # # # #\n# _ _ _ _ #\n# _ X P _ #\n# _ O _ _ #\n# # # # # #") == {"up"}
+    # Two shortest walks to the cell above the box; up and left bump into walls, so they never count.
+    room = "# # # # # #\n# P _ _ _ #\n# _ _ _ _ #\n# _ _ X _ #\n# _ _ O _ #\n# # # # # #"
+    assert optimal_moves(room) == {"right", "down"}
+    assert solve_grid(room)[0] in optimal_moves(room)
+    assert optimal_moves("# # # # #\n# P \u221a _ #\n# # # # #") == frozenset()  # solved already
+    assert optimal_moves("# # # # #\n# X _ O #\n# _ P _ #\n# # # # #") == frozenset()  # deadlocked
 
 
 def test_solved_room_and_deadlocks():
