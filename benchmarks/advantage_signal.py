@@ -20,7 +20,8 @@ Printed, per parameter group (input/output embedding, each decoder layer, final 
   much one update moves the policy toward the solver's moves on states it was not computed on.
 Ends with ``gigpo_oracle_alignment=<cos> grpo_oracle_alignment=<cos>`` (all parameters).
 
-A diagnostic, not a test: about 5 minutes on a 2-core machine with the defaults.
+A diagnostic, not a test: 10-20 minutes on a 2-core machine with the defaults (collection ~2 minutes, the
+24 gradients the rest).
 """
 
 from __future__ import annotations
@@ -133,7 +134,9 @@ def main() -> None:
         parser.error(f"--batches={args.batches}: at least 2 are needed to compare batches")
     from transformers import AutoModelForCausalLM
 
+    threads = torch.get_num_threads()
     batches = collect(args.recipe, args.model, args.batches, args.overrides)
+    torch.set_num_threads(threads)  # the engine's start may lower this process's torch thread count
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     grads = {e: torch.stack([policy_gradient(model, b, b["adv"][e]) for b in batches])
              for e in ("gigpo", "grpo", "oracle")}
