@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def collect(recipe: str, model: str, batches: int, overrides: list[str]) -> list[dict]:
-    """``batches`` training batches from ``model``: rows, GiGPO / GRPO / oracle advantages, optimal-move flags."""
+    """``batches`` training batches from ``model``: prompt and response ids, GiGPO / GRPO / oracle advantages."""
     from megatron_gigpo.algo.advantages import compute_advantages, from_training_batch
     from megatron_gigpo.builders import RunContext
     from megatron_gigpo.config import load_config
@@ -53,14 +53,15 @@ def collect(recipe: str, model: str, batches: int, overrides: list[str]) -> list
     with RunContext(cfg) as run:
         for it in range(batches):
             batch, metrics = run.collect_train_batch(it)
-            optimal = np.array([a in optimal_moves(g) for a, g in zip(batch.extras["actions"], batch.anchor)], float)
+            best = {grid: optimal_moves(grid) for grid in set(batch.anchor)}  # states recur across rows
+            optimal = np.array([a in best[g] for a, g in zip(batch.extras["actions"], batch.anchor)], float)
             adv = {est: compute_advantages(est, from_training_batch(batch), cfg.algorithm).advantage.double()
                    for est in ("gigpo", "grpo")}
             adv["oracle"] = torch.from_numpy(optimal - optimal.mean())
-            out.append({"prompt_ids": batch.prompt_ids, "response_ids": batch.response_ids, "adv": adv,
-                        "optimal": optimal, "success": metrics.get("episode/sokoban/success_rate", float("nan"))})
+            out.append({"prompt_ids": batch.prompt_ids, "response_ids": batch.response_ids, "adv": adv})
             corr = {e: float(np.corrcoef(adv[e].numpy(), optimal)[0, 1]) for e in ("gigpo", "grpo")}
-            print(f"batch {it}: {batch.num_rows} rows, success {out[-1]['success']:.3f}, optimal moves "
+            success = metrics.get("episode/sokoban/success_rate", float("nan"))
+            print(f"batch {it}: {batch.num_rows} rows, success {success:.3f}, optimal moves "
                   f"{optimal.mean():.3f}, corr(A, optimal) gigpo {corr['gigpo']:+.3f} grpo {corr['grpo']:+.3f}",
                   flush=True)
     return out
@@ -89,16 +90,15 @@ def policy_gradient(model: torch.nn.Module, rows: dict, weights: torch.Tensor, c
 
 def parameter_groups(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Boolean masks over the flat gradient: embedding, each decoder layer, final norm, all."""
-    groups: dict[str, list[bool]] = {}
-    flags = []
+    labels, sizes = [], []
     for name, p in model.named_parameters():
         layer = re.search(r"layers\.(\d+)\.", name)
-        flags.append((f"layer {layer.group(1)}" if layer else "embedding" if "embed" in name else
-                      "final norm" if "norm" in name else "output layer", p.numel()))
-    for group in dict.fromkeys(g for g, _ in flags):
-        groups[group] = [f for g, n in flags for f in [g == group] * n]
-    groups["all"] = [True] * sum(n for _, n in flags)
-    return {g: torch.tensor(v) for g, v in groups.items()}
+        labels.append(f"layer {layer.group(1)}" if layer else "embedding" if "embed" in name else
+                      "final norm" if "norm" in name else "output layer")
+        sizes.append(p.numel())
+    groups = {g: torch.cat([torch.full((n,), g == label) for label, n in zip(labels, sizes)])
+              for g in dict.fromkeys(labels)}
+    return groups | {"all": torch.ones(sum(sizes), dtype=torch.bool)}
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -155,9 +155,9 @@ def optimal_moves(text: str, max_states: int = DEFAULT_MAX_STATES) -> frozenset[
     except UnsolvableError:
         return frozenset()
     best = set()
-    for move in MOVES:
+    for move in MOVES if remaining else ():
         nxt = apply_move(room, state, move)
-        if nxt == state or remaining == 0:
+        if nxt == state:  # blocked: the plan cannot get shorter
             continue
         try:
             if len(solve(room, nxt, max_states)) == remaining - 1:
