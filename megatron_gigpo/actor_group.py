@@ -111,10 +111,19 @@ class ActorGroup:
         ref = ray.put(batch)
         return self._first(self._all("compute_log_probs", ref, reference=reference))
 
-    def update(self, batch, row_advantages, old_log_probs, ref_log_probs) -> dict[str, float]:
-        """One ``update`` (ppo_epochs x mini-batches optimizer steps); returns rank-reduced metrics."""
+    def update(self, batch, row_advantages, old_log_probs, ref_log_probs) -> tuple[dict[str, float], list]:
+        """One ``PolicyActor.update`` (ppo_epochs x mini-batches optimizer steps) on every rank.
+
+        ``old_log_probs=None`` asks for an on-policy update (one optimizer step; ValueError otherwise, see
+        :meth:`megatron_gigpo.actor.policy.PolicyActor.update`).
+
+        Returns:
+            ``(metrics, old_log_probs)``: the rank-reduced metrics, and the old log-probs the update used
+            (per row float32 (R_i,): the given ones, or on-policy those the update computed before its step).
+        """
         refs = [ray.put(x) for x in (batch, row_advantages, old_log_probs, ref_log_probs)]
-        return self._first(self._all("update", *refs))
+        result = self._first(self._all("update", *refs))
+        return result if old_log_probs is None else (result, old_log_probs)
 
     def save_checkpoint(self, root: str, iteration: int, trainer_state: dict, *, keep_last: int) -> None:
         """Atomic dist_checkpointing save of model, optimizer, RNG and ``trainer_state``; keeps the last k."""

@@ -1,8 +1,9 @@
 """The GiGPO training loop: a Ray single controller that reads top to bottom.
 
 One iteration: collect grouped episodes (vLLM engines x environment workers) -> old and reference
-log-probs (Megatron actor) -> advantages (GiGPO registry) -> clipped updates -> resharding of the new
-weights into the engines -> periodic validation and checkpoint. Construction of the parts lives in
+log-probs (Megatron actor; no old log-prob pass when the update is one optimizer step, which then computes
+them itself) -> advantages (GiGPO registry) -> clipped updates -> resharding of the new weights into the
+engines -> periodic validation and checkpoint. Construction of the parts lives in
 :mod:`megatron_gigpo.builders`; this file only orders them.
 """
 
@@ -24,6 +25,7 @@ def train(cfg: Config) -> dict[str, float]:
     its update and weight sync; it still validates and saves when due, so every validation point exists. Raises
     PreflightError before starting anything when the machine lacks what the recipe needs.
     """
+    from megatron_gigpo.actor.batching import update_is_on_policy
     from megatron_gigpo.algo.advantages import compute_advantages, from_training_batch
     from megatron_gigpo.builders import RunContext
 
@@ -42,8 +44,10 @@ def train(cfg: Config) -> dict[str, float]:
                 run.log(metrics | timer.metrics(num_tokens=0), it + 1)
                 continue
             run.engines.sleep()  # GPU: free the KV cache while the actor computes (no-op on CPU)
-            with timer("old_log_prob"):
-                old_log_probs = run.actors.compute_log_probs(batch)
+            old_log_probs = None  # on-policy (one optimizer step): the update computes them itself, as verl does
+            if not update_is_on_policy(batch.num_rows, cfg.trainer):
+                with timer("old_log_prob"):
+                    old_log_probs = run.actors.compute_log_probs(batch)
             ref_log_probs = None
             if cfg.algorithm.use_kl_loss:
                 with timer("ref_log_prob"):
@@ -51,7 +55,8 @@ def train(cfg: Config) -> dict[str, float]:
             with timer("advantage"):
                 adv = compute_advantages(cfg.algorithm.adv_estimator, from_training_batch(batch), cfg.algorithm)
             with timer("update"):
-                metrics |= run.actors.update(batch, adv.advantage, old_log_probs, ref_log_probs)
+                update_metrics, old_log_probs = run.actors.update(batch, adv.advantage, old_log_probs, ref_log_probs)
+                metrics |= update_metrics
             if cfg.trainer.update_effect_metrics:
                 with timer("update_effect"):
                     metrics |= run.update_effect(batch, adv.advantage, old_log_probs)

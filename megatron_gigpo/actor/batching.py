@@ -24,7 +24,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["MicroBatch", "plan_micro_batches", "split_rows_balanced", "build_micro_batch", "split_mini_batches"]
+__all__ = ["MicroBatch", "plan_micro_batches", "split_rows_balanced", "build_micro_batch", "split_mini_batches",
+           "num_mini_batches", "update_is_on_policy"]
 
 
 @dataclass
@@ -151,11 +152,40 @@ def split_mini_batches(num_rows: int, mini_batch_size: int, generator: torch.Gen
     Raises:
         ValueError: ``num_rows < 1`` or ``mini_batch_size < 1``.
     """
+    count = num_mini_batches(num_rows, mini_batch_size)
+    order = torch.randperm(num_rows, generator=generator) if generator is not None else torch.arange(num_rows)
+    return [chunk.tolist() for chunk in torch.tensor_split(order, count)]
+
+
+def num_mini_batches(num_rows: int, mini_batch_size: int) -> int:
+    """Mini-batches (optimizer steps) of one epoch over ``num_rows`` rows: ``ceil(num_rows / mini_batch_size)``,
+    the count :func:`split_mini_batches` splits into.
+
+    Raises:
+        ValueError: ``num_rows < 1`` or ``mini_batch_size < 1``.
+    """
     if num_rows < 1 or mini_batch_size < 1:
         raise ValueError(f"num_rows={num_rows} and mini_batch_size={mini_batch_size} must be >= 1")
-    order = torch.randperm(num_rows, generator=generator) if generator is not None else torch.arange(num_rows)
-    count = -(-num_rows // mini_batch_size)
-    return [chunk.tolist() for chunk in torch.tensor_split(order, count)]
+    return -(-num_rows // mini_batch_size)
+
+
+def update_is_on_policy(num_rows: int, trainer) -> bool:
+    """Whether an update over ``num_rows`` rows takes exactly one optimizer step, so that the behaviour policy
+    is the policy being trained: ``trainer.ppo_epochs == 1`` and every row fits in one mini-batch of
+    ``trainer.ppo_mini_batch_size`` (verl's ``on_policy`` in its dp_actor).
+
+    Then the old log-probs equal the current policy's and need no forward pass of their own: the update uses
+    each micro-batch's ``log_prob.detach()`` (importance ratio exactly 1). The driver and
+    :meth:`PolicyActor.update <megatron_gigpo.actor.policy.PolicyActor.update>` both ask this function.
+
+    Args:
+        num_rows: training rows of the iteration (>= 1).
+        trainer: the recipe's ``trainer`` section (:class:`megatron_gigpo.config.TrainerConfig`).
+
+    Raises:
+        ValueError: ``num_rows < 1`` or ``ppo_mini_batch_size < 1``.
+    """
+    return trainer.ppo_epochs == 1 and num_mini_batches(num_rows, trainer.ppo_mini_batch_size) == 1
 
 
 def build_micro_batch(

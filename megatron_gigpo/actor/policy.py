@@ -20,7 +20,13 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_gigpo import models
 from megatron_gigpo.actor import distributed, lora
-from megatron_gigpo.actor.batching import build_micro_batch, plan_micro_batches, split_mini_batches, split_rows_balanced
+from megatron_gigpo.actor.batching import (
+    build_micro_batch,
+    plan_micro_batches,
+    split_mini_batches,
+    split_rows_balanced,
+    update_is_on_policy,
+)
 from megatron_gigpo.actor.checkpoint import CheckpointState, load_actor_checkpoint, save_actor_checkpoint
 from megatron_gigpo.actor.config import ActorConfig
 from megatron_gigpo.actor.logprob import HeadSettings, run_forward_only
@@ -207,6 +213,26 @@ class PolicyActor:
         if plans[dp_rank]:
             outputs = run_forward_only(chunks, self._build(batch, plans[dp_rank]), head, self.device)
         fields = ["log_probs"] + (["entropy"] if with_entropy else [])
+        results = self._gather_rows(plans, outputs, fields, resp)
+        return results["log_probs"], results.get("entropy")
+
+    def _gather_rows(
+        self, plans: Sequence[Sequence[Sequence[int]]], outputs: Sequence[dict[str, torch.Tensor]],
+        fields: Sequence[str], resp: Sequence[int],
+    ) -> dict[str, list[torch.Tensor | None]]:
+        """Per-token values of every data-parallel rank's rows, on every rank (a collective).
+
+        Args:
+            plans: per data-parallel rank, its micro-batches' global row ids (same on every rank).
+            outputs: this rank's per-micro-batch ``{field: (N_mb,)}`` in ``plans[dp_rank]`` order on the last
+                pipeline stage; empty on other stages (their values come from the last stage).
+            fields: the keys to gather.
+            resp: response length of every row of the batch.
+
+        Returns:
+            ``{field: per row float32 (R_i,) on the CPU}``; None for a row no plan holds.
+        """
+        dp_rank = parallel_state.get_data_parallel_rank()
         # every rank's values, rows in micro-batch order, fields interleaved per token: (tokens, fields)
         sizes = [sum(resp[r] for mb in plan for r in mb) * len(fields) for plan in plans]
         flat = torch.zeros(sizes[dp_rank], dtype=torch.float32)
@@ -214,7 +240,7 @@ class PolicyActor:
             flat = torch.cat([torch.stack([out[f] for f in fields], dim=-1).reshape(-1) for out in outputs])
         if sizes[dp_rank]:
             flat = self._broadcast_from_last_stage(flat)
-        results = {f: [None] * len(lengths) for f in fields}
+        results: dict[str, list[torch.Tensor | None]] = {f: [None] * len(resp) for f in fields}
         for plan, values in zip(plans, self._all_gather_dp(flat, sizes)):
             values = values.view(-1, len(fields))
             offset = 0
@@ -222,7 +248,7 @@ class PolicyActor:
                 for k, f in enumerate(fields):
                     results[f][r] = values[offset : offset + resp[r], k].clone()
                 offset += resp[r]
-        return results["log_probs"], results.get("entropy")
+        return results
 
     def _broadcast_from_last_stage(self, flat: torch.Tensor) -> torch.Tensor:
         if parallel_state.get_pipeline_model_parallel_world_size() == 1:
@@ -250,9 +276,9 @@ class PolicyActor:
         self,
         batch,
         row_advantages: torch.Tensor,
-        old_log_probs: Sequence[torch.Tensor],
+        old_log_probs: Sequence[torch.Tensor] | None,
         ref_log_probs: Sequence[torch.Tensor] | None = None,
-    ) -> dict[str, float]:
+    ) -> dict[str, float] | tuple[dict[str, float], list[torch.Tensor]]:
         """Policy update (PPO, or supervised NLL with ``loss.policy_loss="nll"``): ``ppo_epochs`` passes, one
         optimizer step per mini-batch of ``ppo_mini_batch_size`` rows.
 
@@ -260,17 +286,29 @@ class PolicyActor:
         ``lr_warmup_steps``), before the first step: update k (1-based) trains at the schedule's LR at k, so
         warmup starts at ``lr / warmup`` and the schedule does not depend on how many rows an iteration has.
 
+        On-policy update (``old_log_probs=None``, as verl's dp_actor does): allowed only when the update takes
+        exactly one optimizer step (:func:`~megatron_gigpo.actor.batching.update_is_on_policy`: one epoch, every
+        row in one mini-batch), where the behaviour policy is the current one. The loss then uses each
+        micro-batch's own detached log-probs as old log-probs (ratio exactly 1, so ``pg_clipfrac`` and
+        ``ppo_kl`` are 0), which saves :meth:`compute_log_probs`' forward pass; the log-probs computed before
+        the step are returned for the caller's diagnostics. They come from the training forward pass
+        (``micro_batch_tokens`` budget, train mode), so they equal :meth:`compute_log_probs` up to float
+        rounding (and LoRA dropout, if enabled).
+
         Args:
             batch: the training batch (same on every rank); rows are ``(trajectory, step)``.
             row_advantages: float32 (rows,), one advantage per row (from ``algo.advantages``).
-            old_log_probs: per row float32 (R_i,), behaviour-policy log-probs.
+            old_log_probs: per row float32 (R_i,), behaviour-policy log-probs; None for an on-policy update.
             ref_log_probs: per row float32 (R_i,) reference log-probs; required iff ``loss.use_kl_loss``.
 
         Returns:
+            ``metrics``, or ``(metrics, old_log_probs)`` when ``old_log_probs`` is None. ``metrics``:
             ``actor/<metric>`` means over the optimizer steps of this call (``loss``, ``entropy``,
             ``kl_loss``, ``grad_norm``, ``update_skipped`` and the policy loss's own metrics: ``pg_loss``,
             ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` for ``vanilla``, ``nll`` for ``nll``),
-            ``actor/lr`` of the last step and ``actor/num_optimizer_steps``.
+            ``actor/lr`` of the last step and ``actor/num_optimizer_steps``. ``old_log_probs``: per row float32
+            (R_i,) on the CPU, the policy's log-probs before the step, identical on every rank (the format of
+            :meth:`compute_log_probs`).
 
         A mini-batch with fewer rows than data-parallel ranks (the short last one of an epoch, or a batch of
         one row) still takes one optimizer step on every rank: a rank without rows runs a stand-in row whose
@@ -278,52 +316,72 @@ class PolicyActor:
         collectives see every rank and the step equals that of the real rows alone.
 
         Raises:
-            ValueError: inputs disagree with the batch (row count, response lengths, missing reference).
+            ValueError: inputs disagree with the batch (row count, response lengths, missing reference), or
+                ``old_log_probs`` is None while the update is not on-policy (``ppo_epochs > 1`` or more rows
+                than ``ppo_mini_batch_size``).
         """
         rows = RowData(
             old_log_probs=old_log_probs, advantages=row_advantages.float().cpu(), ref_log_probs=ref_log_probs
         )
         self._check_update_inputs(batch, rows)
         lengths = _lengths(batch.prompt_ids, batch.response_ids)
-        resp = [int(r.numel()) for r in batch.response_ids]
         generator = None
         if self.config.trainer.shuffle:
             generator = torch.Generator().manual_seed(self.config.trainer.seed * 1_000_003 + self.update_calls)
         head = self._head(with_entropy=True, entropy_grad=self.config.loss.entropy_coeff != 0)
-        dp_rank = parallel_state.get_data_parallel_rank()
         per_step: list[dict[str, float]] = []
         self.scheduler.step(increment=1)
         for _ in range(self.config.trainer.ppo_epochs):
             for mini in split_mini_batches(len(lengths), self.config.trainer.ppo_mini_batch_size, generator):
-                mine = self._dp_shares(lengths, mini)[dp_rank]
-                stand_in = not mine
-                if stand_in:  # fewer rows than data-parallel ranks: the shortest row, weighted zero
-                    mine = [min(mini, key=lambda r: (lengths[r], r))]
-                plan = MiniBatchPlan(
-                    micro_batches=self._build(batch, self._plan(mine, lengths, self.config.trainer.micro_batch_tokens)),
-                    total_tokens=sum(resp[r] for r in mini),
-                    total_sequences=sum(1 for r in mini if resp[r] > 0),
-                    stand_in=stand_in,
+                plan, row_plans = self._mini_batch_plan(batch, lengths, mini)
+                step_metrics, step_log_probs = train_mini_batch(
+                    self.model_chunks, self.optimizer, plan, rows, self.config.loss, head, self.device
                 )
-                per_step.append(
-                    train_mini_batch(
-                        self.model_chunks, self.optimizer, plan, rows, self.config.loss, head,
-                        self.device,
-                    )
-                )
+                per_step.append(step_metrics)
         self.update_calls += 1
         self.optimizer_steps += len(per_step)
         keys = sorted({k for m in per_step for k in m} - {"lr"})
         out = {f"actor/{k}": sum(m[k] for m in per_step if k in m) / sum(1 for m in per_step if k in m) for k in keys}
         out["actor/lr"] = per_step[-1]["lr"]
         out["actor/num_optimizer_steps"] = float(len(per_step))
-        return out
+        if old_log_probs is not None:
+            return out
+        # on-policy: one step, whose micro-batches computed every row's log-probs before it
+        resp = [int(r.numel()) for r in batch.response_ids]
+        gathered = self._gather_rows(row_plans, [{"log_probs": t} for t in step_log_probs], ["log_probs"], resp)
+        return out, gathered["log_probs"]
+
+    def _mini_batch_plan(
+        self, batch, lengths: Sequence[int], mini: Sequence[int]
+    ) -> tuple[MiniBatchPlan, list[list[list[int]]]]:
+        """This rank's :class:`MiniBatchPlan` of mini-batch ``mini`` (global row ids), and every data-parallel
+        rank's micro-batch row ids (empty for a rank without rows)."""
+        resp = [int(r.numel()) for r in batch.response_ids]
+        budget = self.config.trainer.micro_batch_tokens
+        row_plans = [self._plan(share, lengths, budget) for share in self._dp_shares(lengths, mini)]
+        mine = row_plans[parallel_state.get_data_parallel_rank()]
+        stand_in = not mine
+        if stand_in:  # fewer rows than data-parallel ranks: the shortest row, weighted zero
+            mine = [[min(mini, key=lambda r: (lengths[r], r))]]
+        plan = MiniBatchPlan(
+            micro_batches=self._build(batch, mine),
+            total_tokens=sum(resp[r] for r in mini),
+            total_sequences=sum(1 for r in mini if resp[r] > 0),
+            stand_in=stand_in,
+        )
+        return plan, row_plans
 
     def _check_update_inputs(self, batch, rows: RowData) -> None:
         n = len(batch.response_ids)
         if rows.advantages.shape != (n,):
             raise ValueError(f"row_advantages has shape {tuple(rows.advantages.shape)}, expected ({n},)")
-        named = [("old_log_probs", rows.old_log_probs)]
+        if rows.old_log_probs is None and not update_is_on_policy(n, self.config.trainer):
+            raise ValueError(
+                f"old_log_probs=None (on-policy update) needs one optimizer step, but trainer.ppo_epochs="
+                f"{self.config.trainer.ppo_epochs} and {n} rows with trainer.ppo_mini_batch_size="
+                f"{self.config.trainer.ppo_mini_batch_size} take more: pass compute_log_probs' old log-probs"
+            )
+        named = [("old_log_probs", rows.old_log_probs)] if rows.old_log_probs is not None else []
         if self.config.loss.use_kl_loss:
             if rows.ref_log_probs is None:
                 raise ValueError("loss.use_kl_loss=True but ref_log_probs is None")

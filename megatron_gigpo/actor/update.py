@@ -51,12 +51,14 @@ class RowData:
     """Per-row training inputs of the whole batch (identical on every rank).
 
     Attributes:
-        old_log_probs: per row float32 (R_i,): behaviour-policy log-probs.
+        old_log_probs: per row float32 (R_i,): behaviour-policy log-probs; None for an on-policy update
+            (:func:`megatron_gigpo.actor.batching.update_is_on_policy`): each micro-batch then uses its own
+            detached log-probs, so the importance ratio is exactly 1.
         advantages: float32 (rows,): one advantage per row.
         ref_log_probs: per row float32 (R_i,) reference log-probs, or None without KL loss.
     """
 
-    old_log_probs: Sequence[torch.Tensor]
+    old_log_probs: Sequence[torch.Tensor] | None
     advantages: torch.Tensor
     ref_log_probs: Sequence[torch.Tensor] | None
 
@@ -94,17 +96,25 @@ def _policy_loss_head(
     gpt: torch.nn.Module,
     hidden: torch.Tensor,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Megatron loss function of one micro-batch (last pipeline stage)."""
+    """Megatron loss function of one micro-batch (last pipeline stage).
+
+    On-policy (``rows.old_log_probs is None``) its reported dict also holds ``"log_probs"``: the micro-batch's
+    float32 (N,) response log-probs before the step, on the CPU (absent for a stand-in row)."""
+    on_policy = rows.old_log_probs is None
     if mb.num_response_tokens == 0 or plan.stand_in:
         # only empty responses, or a stand-in row: nothing to learn, but Megatron's backward needs a loss
         # attached to the graph (a zero gradient, reduced with the other ranks' real ones)
-        return hidden.sum() * 0.0, {}
+        empty = {"log_probs": torch.zeros(0)} if on_policy and not plan.stand_in else {}
+        return hidden.sum() * 0.0, empty
     device = hidden.device
     log_probs, entropy = response_log_probs(gpt, hidden, mb, head)  # (N,), (N,)
     lengths = mb.response_lengths
     log_prob = _pad(torch.split(log_probs, lengths))  # (B, R_max)
     mask = _pad([torch.ones(n, device=device) for n in lengths])  # (B, R_max)
-    old = _pad([rows.old_log_probs[r].to(device, torch.float32) for r in mb.rows])
+    if on_policy:  # verl's on-policy shortcut: old = current, ratio 1, gradient that of the plain policy loss
+        old = log_prob.detach()
+    else:
+        old = _pad([rows.old_log_probs[r].to(device, torch.float32) for r in mb.rows])
     ref = None
     if loss.use_kl_loss:
         ref = _pad([rows.ref_log_probs[r].to(device, torch.float32) for r in mb.rows])
@@ -139,6 +149,8 @@ def _policy_loss_head(
     reported = {
         k: (metrics[k].float() * weights[kind]).reshape(()) for k, kind in _METRIC_WEIGHTS.items() if k in metrics
     }
+    if on_policy:
+        reported["log_probs"] = log_probs.detach().float().cpu()
     scale = weights["agg"] * len(plan.micro_batches) * dp_size
     return value * scale, reported
 
@@ -167,7 +179,7 @@ def train_mini_batch(
     loss: AlgorithmConfig,
     head: HeadSettings,
     device: torch.device,
-) -> dict[str, float]:
+) -> tuple[dict[str, float], list[torch.Tensor]]:
     """Gradient accumulation over ``plan``'s micro-batches, then exactly one optimizer step.
 
     The step uses the LR the scheduler set for the current update (:meth:`PolicyActor.update` advances it
@@ -182,9 +194,12 @@ def train_mini_batch(
         device: compute device of this rank.
 
     Returns:
-        ``{"loss", "entropy", "kl_loss", "grad_norm", "lr", "update_skipped"}`` plus the policy loss's metrics
-        (``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` for ``vanilla``; ``nll`` for ``nll``)
-        as floats, identical on every rank (mini-batch means).
+        ``(metrics, log_probs)``. ``metrics``: ``{"loss", "entropy", "kl_loss", "grad_norm", "lr",
+        "update_skipped"}`` plus the policy loss's metrics (``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``,
+        ``ppo_kl`` for ``vanilla``; ``nll`` for ``nll``) as floats, identical on every rank (mini-batch means).
+        ``log_probs``: on-policy (``rows.old_log_probs is None``) and on the last pipeline stage, per micro-batch
+        of this rank, float32 (N_mb,) CPU response log-probs computed before the step, rows in micro-batch
+        order; otherwise (and for a stand-in plan) an empty list.
     """
     if not plan.micro_batches:
         raise ValueError("train_mini_batch: this data-parallel rank has no micro-batch")
@@ -204,9 +219,11 @@ def train_mini_batch(
         micro_batch_size=max(int(mb.input_ids.shape[0]) for mb in plan.micro_batches),
         forward_only=False,
     )
-    metrics = _reduce_metrics(list(outputs) if parallel_state.is_pipeline_last_stage() else [], device)
+    outputs = list(outputs) if parallel_state.is_pipeline_last_stage() else []
+    metrics = _reduce_metrics(outputs, device)
+    log_probs = [out["log_probs"] for out in outputs if "log_probs" in out]
     update_successful, grad_norm, _ = optimizer.step()
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics["lr"] = float(optimizer.param_groups[0]["lr"])
     metrics["update_skipped"] = 0.0 if update_successful else 1.0
-    return metrics
+    return metrics, log_probs

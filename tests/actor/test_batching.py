@@ -9,9 +9,11 @@ from hypothesis import strategies as st
 
 from megatron_gigpo.actor.batching import (
     build_micro_batch,
+    num_mini_batches,
     plan_micro_batches,
     split_mini_batches,
     split_rows_balanced,
+    update_is_on_policy,
 )
 
 lengths_strategy = st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=30)
@@ -111,3 +113,20 @@ def test_build_packed_micro_batch_uses_cu_seqlens():
 def test_build_rejects_empty_prompt():
     with pytest.raises(ValueError, match="row 0: empty prompt_ids"):
         build_micro_batch([0], [torch.tensor([], dtype=torch.long)], [torch.tensor([1])], packed=False)
+
+
+@pytest.mark.unit
+def test_on_policy_means_one_epoch_of_one_mini_batch():
+    from megatron_gigpo.config import TrainerConfig
+
+    def trainer(epochs, size):
+        return TrainerConfig(ppo_epochs=epochs, ppo_mini_batch_size=size)
+
+    for rows, size in ((1, 1), (8, 8), (3, 8)):
+        assert num_mini_batches(rows, size) == len(split_mini_batches(rows, size, None)) == 1
+        assert update_is_on_policy(rows, trainer(1, size))
+        assert not update_is_on_policy(rows, trainer(2, size))
+    assert num_mini_batches(9, 8) == len(split_mini_batches(9, 8, None)) == 2
+    assert not update_is_on_policy(9, trainer(1, 8))
+    with pytest.raises(ValueError, match="num_rows=0"):
+        update_is_on_policy(0, trainer(1, 8))

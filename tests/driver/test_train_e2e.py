@@ -54,6 +54,9 @@ def test_train_two_iterations_and_resume(tiny_qwen2, tmp_path):
     assert first["weight_sync/checksum_fp"] != second["weight_sync/checksum_fp"]
     for rec in records:
         assert rec["rollout/actor_logprob_diff_max"] < 1e-3, rec
+        # at most 2 groups x 2 x 2 steps = 8 rows = ppo_mini_batch_size, one epoch: one optimizer step, so the
+        # update is on-policy and computes the old log-probs (compared with vLLM's above) without their own pass
+        assert rec["batch/rows"] <= 8 and "timing/old_log_prob_s" not in rec, rec
     for key in ("episode/sokoban/success_rate", "actor/pg_loss", "actor/grad_norm", "timing/rollout_s",
                 "timing/update_s", "timing/resharding_s", "advantage/mean", "step_group/hist_1", "action/invalid_rate"):
         assert key in second, (key, sorted(second))
