@@ -192,7 +192,7 @@ class SFTTrainer(StartedStack):
     def _train_step(self, rows) -> dict[str, float]:
         t0 = time.perf_counter()
         zeros = [torch.zeros(r.numel(), dtype=torch.float32) for r in rows.response_ids]
-        metrics = self.actors.update(rows, torch.zeros(rows.num_rows), zeros, None)
+        metrics, _ = self.actors.update(rows, torch.zeros(rows.num_rows), zeros, None)
         seconds = time.perf_counter() - t0
         return metrics | {"timing/step_s": seconds, "perf/tokens_per_s": rows.num_tokens() / seconds}
 

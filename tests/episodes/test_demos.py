@@ -204,8 +204,9 @@ def test_only_training_tasks_are_used(tiny_tokenizer, tmp_path):
 def test_errors_are_named_and_leave_no_file(tiny_tokenizer, tmp_path):
     out = tmp_path / "keep.jsonl"
     out.write_text("old\n")
-    for kwargs, message in [({"epsilon": 1.5}, "epsilon must be in"), ({"reasoning": "long"}, "reasoning must be one of"),
-                            ({"num_episodes": 0}, "num_episodes must be >= 1")]:
+    cases = [({"epsilon": 1.5}, "epsilon must be in"), ({"reasoning": "long"}, "reasoning must be one of"),
+             ({"num_episodes": 0}, "num_episodes must be >= 1")]
+    for kwargs, message in cases:
         args = {"num_episodes": 2, **kwargs}
         with pytest.raises(ValueError, match=message):
             write_demos(_cfg(), out, tokenizer=tiny_tokenizer, **args)
