@@ -183,6 +183,11 @@ class PolicyActor:
         shares = split_rows_balanced([lengths[r] for r in rows], parallel_state.get_data_parallel_world_size())
         return [[rows[i] for i in share] for share in shares]
 
+    def _dp_plans(self, lengths: Sequence[int], rows: Sequence[int], budget: int) -> list[list[list[int]]]:
+        """Per data-parallel rank, its share of ``rows`` in token-budget micro-batches (global row ids; same
+        answer on every rank, empty for a rank without rows)."""
+        return [self._plan(share, lengths, budget) for share in self._dp_shares(lengths, rows)]
+
     def _plan(self, rows: Sequence[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
         """``rows`` grouped into token-budget micro-batches (global row ids)."""
         groups = plan_micro_batches([lengths[r] for r in rows], budget, padded=not self.config.trainer.sequence_packing)
@@ -205,7 +210,7 @@ class PolicyActor:
         lengths = _lengths(batch.prompt_ids, batch.response_ids)
         resp = [int(r.numel()) for r in batch.response_ids]
         budget = self.config.trainer.log_prob_micro_batch_tokens
-        plans = [self._plan(share, lengths, budget) for share in self._dp_shares(lengths, range(len(lengths)))]
+        plans = self._dp_plans(lengths, range(len(lengths)), budget)
         dp_rank = parallel_state.get_data_parallel_rank()
         head = self._head(with_entropy=with_entropy, entropy_grad=False)
         # A rank without rows skips the pass; so does its whole model-parallel group (same data-parallel rank).
@@ -325,6 +330,7 @@ class PolicyActor:
         )
         self._check_update_inputs(batch, rows)
         lengths = _lengths(batch.prompt_ids, batch.response_ids)
+        resp = [int(r.numel()) for r in batch.response_ids]
         generator = None
         if self.config.trainer.shuffle:
             generator = torch.Generator().manual_seed(self.config.trainer.seed * 1_000_003 + self.update_calls)
@@ -333,7 +339,7 @@ class PolicyActor:
         self.scheduler.step(increment=1)
         for _ in range(self.config.trainer.ppo_epochs):
             for mini in split_mini_batches(len(lengths), self.config.trainer.ppo_mini_batch_size, generator):
-                plan, row_plans = self._mini_batch_plan(batch, lengths, mini)
+                plan, row_plans = self._mini_batch_plan(batch, lengths, resp, mini)
                 step_metrics, step_log_probs = train_mini_batch(
                     self.model_chunks, self.optimizer, plan, rows, self.config.loss, head, self.device
                 )
@@ -347,18 +353,15 @@ class PolicyActor:
         if old_log_probs is not None:
             return out
         # on-policy: one step, whose micro-batches computed every row's log-probs before it
-        resp = [int(r.numel()) for r in batch.response_ids]
         gathered = self._gather_rows(row_plans, [{"log_probs": t} for t in step_log_probs], ["log_probs"], resp)
         return out, gathered["log_probs"]
 
     def _mini_batch_plan(
-        self, batch, lengths: Sequence[int], mini: Sequence[int]
+        self, batch, lengths: Sequence[int], resp: Sequence[int], mini: Sequence[int]
     ) -> tuple[MiniBatchPlan, list[list[list[int]]]]:
         """This rank's :class:`MiniBatchPlan` of mini-batch ``mini`` (global row ids), and every data-parallel
         rank's micro-batch row ids (empty for a rank without rows)."""
-        resp = [int(r.numel()) for r in batch.response_ids]
-        budget = self.config.trainer.micro_batch_tokens
-        row_plans = [self._plan(share, lengths, budget) for share in self._dp_shares(lengths, mini)]
+        row_plans = self._dp_plans(lengths, mini, self.config.trainer.micro_batch_tokens)
         mine = row_plans[parallel_state.get_data_parallel_rank()]
         stand_in = not mine
         if stand_in:  # fewer rows than data-parallel ranks: the shortest row, weighted zero
