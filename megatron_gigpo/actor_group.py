@@ -118,12 +118,13 @@ class ActorGroup:
         :meth:`megatron_gigpo.actor.policy.PolicyActor.update`).
 
         Returns:
-            ``(metrics, old_log_probs)``: the rank-reduced metrics, and the old log-probs the update used
-            (per row float32 (R_i,): the given ones, or on-policy those the update computed before its step).
+            ``(metrics, old_log_probs)`` of the first rank, as
+            :meth:`megatron_gigpo.actor.policy.PolicyActor.update` returns it: the rank-reduced metrics, and the
+            old log-probs the update used (per row float32 (R_i,): copies of the given ones, or on-policy those
+            the update computed before its step).
         """
         refs = [ray.put(x) for x in (batch, row_advantages, old_log_probs, ref_log_probs)]
-        result = self._first(self._all("update", *refs))
-        return result if old_log_probs is None else (result, old_log_probs)
+        return self._first(self._all("update", *refs))
 
     def save_checkpoint(self, root: str, iteration: int, trainer_state: dict, *, keep_last: int) -> None:
         """Atomic dist_checkpointing save of model, optimizer, RNG and ``trainer_state``; keeps the last k."""

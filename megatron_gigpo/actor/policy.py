@@ -283,7 +283,7 @@ class PolicyActor:
         row_advantages: torch.Tensor,
         old_log_probs: Sequence[torch.Tensor] | None,
         ref_log_probs: Sequence[torch.Tensor] | None = None,
-    ) -> dict[str, float] | tuple[dict[str, float], list[torch.Tensor]]:
+    ) -> tuple[dict[str, float], list[torch.Tensor]]:
         """Policy update (PPO, or supervised NLL with ``loss.policy_loss="nll"``): ``ppo_epochs`` passes, one
         optimizer step per mini-batch of ``ppo_mini_batch_size`` rows.
 
@@ -307,13 +307,14 @@ class PolicyActor:
             ref_log_probs: per row float32 (R_i,) reference log-probs; required iff ``loss.use_kl_loss``.
 
         Returns:
-            ``metrics``, or ``(metrics, old_log_probs)`` when ``old_log_probs`` is None. ``metrics``:
-            ``actor/<metric>`` means over the optimizer steps of this call (``loss``, ``entropy``,
-            ``kl_loss``, ``grad_norm``, ``update_skipped`` and the policy loss's own metrics: ``pg_loss``,
-            ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` for ``vanilla``, ``nll`` for ``nll``),
-            ``actor/lr`` of the last step and ``actor/num_optimizer_steps``. ``old_log_probs``: per row float32
-            (R_i,) on the CPU, the policy's log-probs before the step, identical on every rank (the format of
-            :meth:`compute_log_probs`).
+            ``(metrics, old_log_probs)`` in both modes. ``metrics``: ``actor/<metric>`` means over the
+            optimizer steps of this call (``loss``, ``entropy``, ``kl_loss``, ``grad_norm``, ``update_skipped``
+            and the policy loss's own metrics: ``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``
+            for ``vanilla``, ``nll`` for ``nll``), ``actor/lr`` of the last step and
+            ``actor/num_optimizer_steps``. ``old_log_probs``: the behaviour log-probs the loss used, per row
+            float32 (R_i,) (the format of :meth:`compute_log_probs`): the given tensors themselves (in a new
+            list) when ``old_log_probs`` was given; on-policy, the policy's log-probs before the step, on the
+            CPU and identical on every rank.
 
         A mini-batch with fewer rows than data-parallel ranks (the short last one of an epoch, or a batch of
         one row) still takes one optimizer step on every rank: a rank without rows runs a stand-in row whose
@@ -351,7 +352,7 @@ class PolicyActor:
         out["actor/lr"] = per_step[-1]["lr"]
         out["actor/num_optimizer_steps"] = float(len(per_step))
         if old_log_probs is not None:
-            return out
+            return out, list(old_log_probs)
         # on-policy: one step, whose micro-batches computed every row's log-probs before it
         gathered = self._gather_rows(row_plans, [{"log_probs": t} for t in step_log_probs], ["log_probs"], resp)
         return out, gathered["log_probs"]

@@ -39,9 +39,9 @@ def _two_updates(actor, batch) -> dict:
     out = {}
     ref = actor.compute_log_probs(batch, reference=True)
     out["log_probs_before"] = actor.compute_log_probs(batch)
-    out["second"] = actor.update(batch, adv, out["log_probs_before"], ref)
+    out["second"], _ = actor.update(batch, adv, out["log_probs_before"], ref)
     out["log_probs_mid"] = actor.compute_log_probs(batch)
-    out["third"] = actor.update(batch, adv, out["log_probs_mid"], ref)
+    out["third"], _ = actor.update(batch, adv, out["log_probs_mid"], ref)
     out["steps"], out["own_step_tensors"] = adam_steps(actor)
     return out
 

@@ -41,8 +41,8 @@ def _cuda_rank(rank: int, world_size: int, model_dir) -> dict:
         log_probs, entropy = actor.compute_log_probs_and_entropy(batch)
         ref = actor.compute_log_probs(batch, reference=True)
         adv = row_advantages(batch)
-        first = actor.update(batch, adv, log_probs, ref)
-        second = actor.update(batch, adv, log_probs, ref)
+        first, _ = actor.update(batch, adv, log_probs, ref)
+        second, _ = actor.update(batch, adv, log_probs, ref)
         out[dtype] = {
             "backend": dist.get_backend(),
             "device": str(next(actor.model_chunks[0].parameters()).device),

@@ -43,9 +43,9 @@ def _run_layout(model_dir, tp: int, pp: int, distributed_optimizer: bool, *, ext
         out["log_probs_unchunked"] = actor.compute_log_probs(batch)
     out["ref_log_probs"] = actor.compute_log_probs(batch, reference=True)
     adv = row_advantages(batch)
-    out["first"] = actor.update(batch, adv, out["log_probs"], out["ref_log_probs"])
+    out["first"], _ = actor.update(batch, adv, out["log_probs"], out["ref_log_probs"])
     # same behaviour log-probs: the loss at the updated weights, before the second step
-    out["second"] = actor.update(batch, adv, out["log_probs"], out["ref_log_probs"])
+    out["second"], _ = actor.update(batch, adv, out["log_probs"], out["ref_log_probs"])
     out["weights"] = export_full_weights(actor)
     del actor
     distributed.destroy()
@@ -85,7 +85,7 @@ def _seq_mean_update(model_dir, micro_batch_tokens: int) -> dict:
     actor = PolicyActor(config)
     batch = make_batch()
     old = actor.compute_log_probs(batch)
-    metrics = actor.update(batch, row_advantages(batch), old, actor.compute_log_probs(batch, reference=True))
+    metrics, _ = actor.update(batch, row_advantages(batch), old, actor.compute_log_probs(batch, reference=True))
     weights = export_full_weights(actor)
     del actor
     distributed.destroy()

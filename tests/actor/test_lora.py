@@ -64,7 +64,7 @@ def _layout(model_dir, tp: int, pp: int, distributed_optimizer: bool) -> dict:
     out["optimizer_holds_only_adapters"] = opt_params == adapter_params or (
         distributed_optimizer and _distopt_params(actor) <= adapter_params)
     out["num_adapters"] = len(lora.lora_adapters(actor.model_chunks))
-    out["update"] = actor.update(batch, row_advantages(batch), out["lora"], out["reference"])
+    out["update"], _ = actor.update(batch, row_advantages(batch), out["lora"], out["reference"])
     out["frozen_have_no_grad"] = all(p.grad is None and getattr(p, "main_grad", None) is None
                                      for p in actor.model_chunks[0].parameters() if not p.requires_grad)
     out["after_reference"] = actor.compute_log_probs(batch, reference=True)

@@ -38,8 +38,8 @@ def _cuda_rank(rank: int, world_size: int, model_dir, peft_root) -> dict:
         actor.save_peft_adapter(str(peft_root / dtype))
         ref = actor.compute_log_probs(batch, reference=True)
         adv = row_advantages(batch)
-        run["first"] = actor.update(batch, adv, run["lora"], ref)
-        run["second"] = actor.update(batch, adv, run["lora"], ref)
+        run["first"], _ = actor.update(batch, adv, run["lora"], ref)
+        run["second"], _ = actor.update(batch, adv, run["lora"], ref)
         run["reference_after"] = actor.compute_log_probs(batch, reference=True)
         out[dtype] = run
         del actor

@@ -43,7 +43,11 @@ def _run_layout(model_dir, tp: int, pp: int) -> dict:
     distributed.destroy()
 
     actor = PolicyActor(config)
-    out["given_metrics"] = actor.update(batch, adv, actor.compute_log_probs(batch), ref)
+    given = actor.compute_log_probs(batch)
+    out["given_metrics"], returned = actor.update(batch, adv, given, ref)
+    # with given old log-probs the update returns those same tensors (in a list of its own)
+    out["given_returned_same"] = isinstance(returned, list) and len(returned) == len(given) and all(
+        got is want for got, want in zip(returned, given))
     out["weights_given"] = export_full_weights(actor)
     for name, change in REFUSED.items():
         actor.config = config.replace(trainer=change)
@@ -94,6 +98,12 @@ def test_on_policy_update_takes_the_step_of_precomputed_old_log_probs(ranks, lay
         torch.testing.assert_close(on_policy[name], tensor, atol=1e-6, rtol=0, msg=name)
     for key in ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss"):
         assert run["metrics"][key] == pytest.approx(run["given_metrics"][key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_update_with_given_old_log_probs_returns_them(ranks, layout):
+    for rank_out in ranks:
+        assert rank_out[layout]["given_returned_same"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -30,7 +30,7 @@ def _train(model_dir, num_rows: int, distributed_optimizer: bool) -> dict:
     batch = make_batch(num_rows)
     old = actor.compute_log_probs(batch)
     ref = actor.compute_log_probs(batch, reference=True)
-    metrics = actor.update(batch, row_advantages(batch), old, ref)
+    metrics, _ = actor.update(batch, row_advantages(batch), old, ref)
     out = {"old": old, "metrics": metrics, "weights": export_full_weights(actor)}
     del actor
     distributed.destroy()
