@@ -1,7 +1,7 @@
 """Learning benchmark: GiGPO against GRPO at an equal budget, from one cold start, on held-out tasks.
 
     python benchmarks/learning.py [--recipe recipes/cpu/sokoban.yaml] [--seeds 3] [--iterations 8]
-                                  [--out runs/learning-benchmark] [overrides ...]
+                                  [--methods gigpo,grpo,...] [--out runs/learning-benchmark] [overrides ...]
 
 1. One cold start (``megatron-gigpo sft`` on the recipe's expert demonstrations) gives the starting policy.
 2. From it, each method trains ``--iterations`` RL iterations on each of ``--seeds`` seeds (``trainer.seed`` and
@@ -81,10 +81,11 @@ def run(args: argparse.Namespace) -> dict:
     _cli("sft", args.recipe, *base, "trainer.experiment_name=cold-start")
     model = out / "cold-start" / "sft" / "hf"
     val_key = f"val/episode/{env}/success_rate"
-    curves: dict[str, list[dict[int, float]]] = {m: [] for m in METHODS}
-    hists: dict[str, list[tuple[dict, dict]]] = {m: [] for m in METHODS}
+    curves: dict[str, list[dict[int, float]]] = {m: [] for m in args.methods}
+    hists: dict[str, list[tuple[dict, dict]]] = {m: [] for m in args.methods}
     for seed in range(1, args.seeds + 1):
-        for method, overrides in METHODS.items():
+        for method in args.methods:
+            overrides = METHODS[method]
             name = f"{method}-seed{seed}"
             if not (out / name / "metrics.jsonl").is_file() or len(_records(out / name)) <= args.iterations:
                 _cli("train", args.recipe, *base, f"trainer.experiment_name={name}", f"model.path={model}",
@@ -154,11 +155,21 @@ def _plots(table: dict, result: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def _methods(text: str) -> list[str]:
+    methods = [m for m in text.split(",") if m]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not {"gigpo", "grpo"} <= set(methods):
+        raise argparse.ArgumentTypeError(f"--methods {text!r}: choose from {','.join(METHODS)}, with gigpo and grpo")
+    return methods
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default=str(ROOT / "recipes/cpu/sokoban.yaml"))
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--methods", type=_methods, default=list(METHODS),
+                        help=f"comma-separated subset of {','.join(METHODS)} (gigpo and grpo are required)")
     parser.add_argument("--out", default=str(ROOT / "runs/learning-benchmark"))
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides for every run")
     args = parser.parse_args()
