@@ -11,20 +11,21 @@ update):
   with the advantage (``actor/update_effect_corr`` above 0.05 in every iteration and 0.1 on average; measured
   0.18, 0.18, 0.18 with the recipe's mini-batches of 512 rows at lr 1e-4 (five steps per iteration here),
   0.15, 0.15, 0.22 with its earlier one step per iteration at lr 3e-5, 0.23, 0.17, 0.34 with eight steps at
-  lr 1e-4 over 8 groups, 0.20, 0.10, 0.37 with the earlier 49,152-id model). Measured with the one-step recipe
-  (2026-12-02): a flipped advantage sign turns both around (correlation -0.19, -0.18, -0.28; pos < neg);
-  advantages scattered onto the wrong rows (``row_adv.roll(1)`` in each micro-batch) give 0.02, 0.12, 0.16,
-  below the per-iteration bound (and held-out success fell 0.180 -> 0.141);
+  lr 1e-4 over 8 groups, 0.20, 0.10, 0.37 with the earlier 49,152-id model). A flipped advantage sign turns
+  both around: with the recipe's settings correlation -0.07, -0.07, -0.16 and pos < neg (2026-12-02, both tests
+  fail), with the one-step recipe -0.19, -0.18, -0.28;
+  with the one-step recipe, advantages scattered onto the wrong rows (``row_adv.roll(1)`` in each
+  micro-batch) gave 0.02, 0.12, 0.16, below the per-iteration bound (and held-out success fell 0.180 -> 0.141);
 - vLLM's sampling log-probs equal the actor's on the same tokens (``rollout/actor_logprob_diff_max < 1e-3``,
   fp32): a weight sync that does not reach the engines leaves them sampling from the old weights (sync
-  skipped: 0.38 at iteration 2, 1.5 at 3);
+  skipped, one-step recipe: 0.38 at iteration 2, 1.5 at 3);
 - held-out greedy success (the recipe's 256 validation rooms, in neither the demonstrations nor the RL tasks)
   after RL is at least its value before RL. With the recipe's RL settings (mini-batches of 512 rows at lr 1e-4
-  over 32 groups x 8) it held here: 0.180 -> 0.180 after three iterations (0.180 -> 0.180 with the earlier one
-  step per iteration at lr 3e-5). Three iterations barely move the greedy policy (the README's main job needs
-  tens to raise it), so this check guards against a collapse, not a flipped sign: the update-effect assertions
-  catch that. With eight steps per iteration over 8 groups at lr 1e-4 it fell 0.180 -> 0.121, and with Adam
-  epsilon 1e-3 at lr 2e-3 (cosine) 0.180 -> 0.133.
+  over 32 groups x 8) it held here: 0.180 -> 0.180 after three iterations, and with the advantage sign flipped
+  it fell to 0.141, so this check also catches a flipped sign (with the earlier one step per iteration at lr
+  3e-5 it did not: three such steps barely moved the greedy policy). With eight steps per
+  iteration over 8 groups at lr 1e-4 it fell 0.180 -> 0.121, and with Adam epsilon 1e-3 at lr 2e-3 (cosine)
+  0.180 -> 0.133.
 """
 
 from pathlib import Path
