@@ -27,6 +27,12 @@ class ActorWorker:
     def __init__(self, rank: int, world_size: int, env_vars: dict[str, str]):
         self.rank, self.world_size = rank, world_size
         os.environ.update(env_vars)
+        if "OMP_NUM_THREADS" in env_vars:
+            # torch was imported (with this module) before the variable changed, and read Ray's default
+            # OMP_NUM_THREADS (the actor's num_cpus, often 1) then: set its intra-op pool explicitly.
+            import torch
+
+            torch.set_num_threads(int(env_vars["OMP_NUM_THREADS"]))
         self.policy = None
 
     @staticmethod
