@@ -394,6 +394,9 @@ class SFTConfig:
     skip_invalid_rows: bool = False  # count, report and skip invalid rows instead of stopping at the first
     save_every: int = num(0, ge=0)  # optimizer steps between checkpoints; 0: only at the end of each epoch (always saved)
     seed: int = num(1, ge=0, le=MAX_SEED)  # held-out split and per-epoch shuffle
+    # Adapters of this stage; off (default): all weights train. model.lora is the RL actor's alone, so an RL
+    # recipe with LoRA still cold-starts a randomly initialised model in full.
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

@@ -111,10 +111,10 @@ def validate_config(cfg: Config, source: str = "config") -> None:
                       f"({', '.join(GROUP_RELATIVE_ESTIMATORS)}), got algorithm.adv_estimator={a.adv_estimator!r}")
     if cfg.model.init == "random":
         errors += _architecture_errors(cfg.model.architecture)
-    lora = cfg.model.lora
-    if lora.enabled and (not lora.target_modules or len(set(lora.target_modules)) != len(lora.target_modules)):
-        errors.append(f"model.lora.target_modules={lora.target_modules!r} must name each adapted layer once "
-                      f"(of {', '.join(LORA_TARGET_MODULES)})")
+    for key, lora in (("model.lora", cfg.model.lora), ("sft.lora", cfg.sft.lora)):
+        if lora.enabled and (not lora.target_modules or len(set(lora.target_modules)) != len(lora.target_modules)):
+            errors.append(f"{key}.target_modules={lora.target_modules!r} must name each adapted layer once "
+                          f"(of {', '.join(LORA_TARGET_MODULES)})")
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
     # World size, engine GPUs and nodes: the placement plan's own check (one place decides where things run).
     from megatron_gigpo.placement import placement_errors

@@ -14,8 +14,9 @@ One row per step::
      "task_id": ..., "episode": i, "step": t, "action": ..., "expert": true, "prompt_tokens": n}
 
 Keys besides ``messages`` are metadata for inspection; supervised fine-tuning reads ``messages`` only. The
-rows carry no system message: the collector sends none either, so the tokenizer's chat template adds its
-default system text to both alike. Reasoning ``plan`` writes the expert's short plan sentence (Sokoban:
+rows carry the prompt's messages as the collector sends them: no system message (the tokenizer's chat
+template adds its default system text to both alike), or the template's own (``minimal``: an empty one)
+before the user message. Reasoning ``plan`` writes the expert's short plan sentence (Sokoban:
 ``Shortest plan: up, left, left.``), ``none`` an empty think block; an epsilon step (a uniformly random
 admissible action, recorded as taken, ``"expert": false``) writes :data:`EXPLORE_REASONING` under ``plan``.
 Every response is checked with the environment's own ``project_action``: valid, and projected to the intended

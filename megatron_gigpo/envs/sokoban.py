@@ -38,7 +38,7 @@ from megatron_gigpo.envs.base import Environment, ProjectedAction, ResetResult, 
 from megatron_gigpo.envs.expert import Expert, ExpertMove, ExpertUnavailable
 from megatron_gigpo.envs.recipe import EnvRecipe
 from megatron_gigpo.envs.sokoban_solver import UnsolvableError, solve_grid
-from megatron_gigpo.episodes.templates import COMPACT_LAYOUT, COMPACT_REPLY, PromptTemplate
+from megatron_gigpo.episodes.templates import COMPACT_LAYOUT, COMPACT_REPLY, MINIMAL_LAYOUT, PromptTemplate
 from megatron_gigpo.fields import num
 
 if TYPE_CHECKING:
@@ -331,6 +331,18 @@ COMPACT_SOKOBAN_TEMPLATE = PromptTemplate(
     list_admissible=False,
 )
 
+# Only the grids and past moves (templates module docstring): for models trained from random weights.
+MINIMAL_SOKOBAN_TEMPLATE = PromptTemplate(
+    env="sokoban",
+    preamble="",
+    task_label="",
+    history_intro="",
+    instruction="",
+    layout=MINIMAL_LAYOUT,
+    list_admissible=False,
+    system="",
+)
+
 
 class SokobanExpert(Expert):
     """Shortest-plan play: the optimal breadth-first solver of :mod:`megatron_gigpo.envs.sokoban_solver`,
@@ -352,4 +364,5 @@ class SokobanExpert(Expert):
 
 
 RECIPE = EnvRecipe(section="sokoban", settings=SokobanConfig, env_kwargs=_env_kwargs, task_list=_task_list,
-                   templates=(SOKOBAN_TEMPLATE, COMPACT_SOKOBAN_TEMPLATE), expert=SokobanExpert)
+                   templates=(SOKOBAN_TEMPLATE, COMPACT_SOKOBAN_TEMPLATE, MINIMAL_SOKOBAN_TEMPLATE),
+                   expert=SokobanExpert)

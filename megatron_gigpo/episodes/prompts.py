@@ -1,8 +1,10 @@
 """Per-step prompts: chat rendering, the explicit truncation policy, and the per-episode prompt state.
 
 The wording comes from a template of :mod:`megatron_gigpo.episodes.templates`, chosen by environment and style
-(recipe key ``env.prompt_template``: ``verl_agent``, the default described below, or ``compact``, the same
-order with terse phrases, no progress note and, for Sokoban, no admissible-action line). The RL collector and
+(recipe key ``env.prompt_template``: ``verl_agent``, the default described below; ``compact``, the same
+order with terse phrases, no progress note and, for Sokoban, no admissible-action line; or ``minimal``, for
+Sokoban models trained from random weights: only the history and the current grid, after an empty system
+message). The RL collector and
 the demonstration writer (:mod:`megatron_gigpo.demos`) build every step's prompt through the same two pieces,
 :func:`step_prompt_renderer` and :class:`StepPromptState`, so supervised rows and rollout prompts agree byte
 for byte.
@@ -110,7 +112,8 @@ class RenderedPrompt:
     Attributes:
         token_ids: the prompt token ids, ``len <= max_prompt_length``.
         messages: the chat message list the ids are a render of: one ``user`` message (the tokenizer's chat
-            template may add its default system text when rendering).
+            template may add its default system text when rendering), after a ``system`` one when the
+            template has its own (:attr:`PromptTemplate.system`).
         history_pairs_shown: past steps written out in the message.
         history_pairs_dropped: steps within the K-window removed because of the length limit (stage 1).
         observation_tokens_dropped: tokens cut from the start of the current observation (stage 2).
@@ -225,7 +228,8 @@ class PromptRenderer:
             step: index of the current step within the episode.
 
         Returns:
-            ``[{"role": "user", "content": text}]``: one user message, no system message.
+            ``[{"role": "user", "content": text}]``: one user message, after ``{"role": "system", ...}`` when
+            the template has a system message of its own.
 
         Raises:
             ValueError: ``history`` holds more pairs than steps were taken.
@@ -234,7 +238,7 @@ class PromptRenderer:
             raise ValueError(f"history has {len(history)} pairs but the current step index is {step}")
         t = self.template
         first_shown = step - len(history)
-        paragraphs = [t.preamble, f"{t.task_label}: {task_description}"]
+        paragraphs = [t.preamble, f"{t.task_label}: {task_description}" if t.task_label else ""]
         if step > 0:
             paragraphs.append(_progress_note(t.layout, step, first_shown, len(history), t.history_intro))
         paragraphs.extend(self._history_entries(history, observation, first_shown))
@@ -242,7 +246,8 @@ class PromptRenderer:
         if admissible_actions is not None and t.list_admissible:
             paragraphs.append(t.layout.admissible.format(actions=format_admissible_actions(admissible_actions)))
         paragraphs.append(t.instruction)
-        return [{"role": "user", "content": "\n\n".join(p for p in paragraphs if p)}]
+        system = [] if t.system is None else [{"role": "system", "content": t.system}]
+        return [*system, {"role": "user", "content": "\n\n".join(p for p in paragraphs if p)}]
 
     def _history_entries(self, history: Sequence[tuple[str, str]], observation: str, first_shown: int) -> list[str]:
         """One paragraph per shown step, numbered from 1, in the template's history style."""

@@ -54,7 +54,8 @@ def finished_model(cfg: Config) -> Path | None:
 
 def sft_actor_config(cfg: Config, model_dir: Path, total_steps: int):
     """The RL actor of the recipe (:meth:`megatron_gigpo.actor.config.ActorConfig.from_recipe`: model, layout,
-    dtype, token budgets, Adam settings) with the ``sft`` section's loss, LR schedule and batch size.
+    dtype, token budgets, Adam settings) with the ``sft`` section's loss, LR schedule, batch size and adapters
+    (``sft.lora``, not the RL actor's ``model.lora``).
 
     Temperature is 1: demonstrations are scored under the model's own distribution.
     """
@@ -66,7 +67,7 @@ def sft_actor_config(cfg: Config, model_dir: Path, total_steps: int):
         loss={"policy_loss": "nll", "loss_agg_mode": s.loss_agg_mode, "use_kl_loss": False, "kl_loss_coef": 0.0,
               "entropy_coeff": 0.0},
         trainer={"ppo_mini_batch_size": s.batch_size, "ppo_epochs": 1, "shuffle": False, "seed": s.seed},
-        temperature=1.0, lr_decay_steps=max(1, total_steps),
+        temperature=1.0, lr_decay_steps=max(1, total_steps), lora=s.lora,
     )
 
 

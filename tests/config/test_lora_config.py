@@ -54,3 +54,17 @@ def test_memory_plan_counts_only_adapters():
     assert rows["lora"].gradients == adapters * 4
     assert rows["lora"].optimizer_replicated == adapters * 12  # bf16: two fp32 moments + fp32 master copy
     assert rows["lora"].weights == rows["full"].weights + adapters * 2
+
+
+def test_sft_stage_has_its_own_adapters():
+    """``model.lora`` is the RL actor's: the cold start of a LoRA recipe trains every weight unless ``sft.lora``
+    says otherwise (a random model with frozen weights and adapters would learn nothing)."""
+    from megatron_gigpo.sft.trainer import sft_actor_config
+
+    cfg = load_config(RECIPES / "smoke/cpu-lora.yaml")
+    assert cfg.model.lora.enabled and not cfg.sft.lora.enabled
+    assert not sft_actor_config(cfg, Path("model"), 10).lora.enabled
+    cfg = load_config(RECIPES / "smoke/cpu-lora.yaml", ["sft.lora.enabled=true", "sft.lora.rank=4"])
+    assert sft_actor_config(cfg, Path("model"), 10).lora.rank == 4
+    with pytest.raises(ConfigError, match="must name each adapted layer once"):
+        load_config(RECIPES / "smoke/cpu-lora.yaml", ["sft.lora.enabled=true", "sft.lora.target_modules=[]"])

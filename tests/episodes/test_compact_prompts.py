@@ -1,4 +1,4 @@
-"""The compact prompt style (``env.prompt_template: compact``): renders, fits, is selectable, is checked."""
+"""The compact and minimal prompt styles (``env.prompt_template``): render, fit, are selectable, are checked."""
 
 from __future__ import annotations
 
@@ -31,10 +31,11 @@ REPLY_TAGS = {
 }
 
 
-def test_every_environment_has_both_styles():
-    assert PROMPT_STYLES == ("verl_agent", "compact")
-    for style in PROMPT_STYLES:
+def test_every_environment_has_both_styles_and_sokoban_the_minimal_one():
+    assert PROMPT_STYLES == ("verl_agent", "compact", "minimal")
+    for style in ("verl_agent", "compact"):
         assert template_envs(style) == ENVS
+    assert template_envs("minimal") == ["sokoban"]
     assert {t.style for t in PROMPT_TEMPLATES.values()} == set(PROMPT_STYLES)
     with pytest.raises(KeyError, match="no 'terse' prompt template for environment 'sokoban'; its styles"):
         get_prompt_template("sokoban", "terse")
@@ -45,7 +46,7 @@ def test_compact_renders_the_same_structure_shorter(tiny_tokenizer, env):
     history = [(f"observation {i}", f"action {i}") for i in range(3)]
     actions = ["go to desk 1", "look"]
     lengths = {}
-    for style in PROMPT_STYLES:
+    for style in ("verl_agent", "compact"):
         renderer = step_prompt_renderer(env, tiny_tokenizer, history_length=2, max_prompt_length=4096, prompt_style=style)
         prompt = renderer.render("the task", history, "observation 3", actions)
         lengths[style] = len(prompt.token_ids)
@@ -90,13 +91,37 @@ def test_compact_sokoban_first_step(tiny_tokenizer):
     assert env.project_action("<think>reasoning</think><action>left</action>", None).action == "left"
 
 
+def test_minimal_sokoban_shows_only_the_grids_and_moves(tiny_tokenizer):
+    env = SokobanEnv(dim_room=(6, 6), max_steps=15)
+    reset = env.reset(load_tasks("train", 1)[0], seed=0)
+    renderer = step_prompt_renderer("sokoban", tiny_tokenizer, history_length=1, max_prompt_length=4096,
+                                    prompt_style="minimal")
+    state = StepPromptState.from_reset(reset)
+    assert state.render(renderer).messages == [{"role": "system", "content": ""},
+                                                {"role": "user", "content": f"Now:\n{reset.observation}"}]
+    result = env.step("left")
+    state.advance("left", result)
+    prompt = state.render(renderer)
+    assert prompt.messages[1]["content"] == f"Step 1:\n{reset.observation}\nAction: left\n\nNow:\n{result.observation}"
+    assert prompt.token_ids == list(tiny_tokenizer.apply_chat_template(
+        prompt.messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+
+
+def test_minimal_is_refused_for_the_other_environments():
+    cfg = load_config(ROOT / "recipes/smoke/cpu.yaml", ["env.prompt_template=minimal"])
+    assert cfg.env.name == "sokoban"
+    cfg.env.name = "alfworld"
+    with pytest.raises(ConfigError, match="env.prompt_template='minimal' is not offered for env.name='alfworld'"):
+        validate_config(cfg)
+
+
 def test_recipe_selects_the_style_and_validate_refuses_bad_values(monkeypatch):
     recipe = ROOT / "recipes/smoke/cpu.yaml"
     assert load_config(recipe).env.prompt_template == "verl_agent"  # the paper's prompts stay the default
     cfg = load_config(recipe, ["env.prompt_template=compact"])
     assert step_prompt_settings(cfg) == {"history_length": cfg.env.history_length,
                                          "max_prompt_length": cfg.rollout.prompt_length, "prompt_style": "compact"}
-    with pytest.raises(ConfigError, match="env.prompt_template='terse' is not one of verl_agent, compact"):
+    with pytest.raises(ConfigError, match="env.prompt_template='terse' is not one of verl_agent, compact, minimal"):
         load_config(recipe, ["env.prompt_template=terse"])
     monkeypatch.delitem(PROMPT_TEMPLATES, ("webshop", "compact"))
     cfg.env.name = "webshop"
@@ -124,3 +149,4 @@ def test_smollm2_token_counts_of_step_one():
                                         prompt_style=style)
         counts[style] = len(state.render(renderer).token_ids)
     assert counts["compact"] <= 140 and counts["verl_agent"] >= 2.5 * counts["compact"]
+    assert counts["minimal"] <= 0.5 * counts["compact"]
