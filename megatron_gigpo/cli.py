@@ -93,8 +93,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from megatron_gigpo.actor.checkpoint import resolve_checkpoint
     from megatron_gigpo.config import load_config
     from megatron_gigpo.driver import evaluate
+    from megatron_gigpo.sft.cold_start import from_cold_start
 
-    cfg = load_config(args.recipe, args.overrides)
+    cfg = from_cold_start(load_config(args.recipe, args.overrides))  # the model RL started from
     found = resolve_checkpoint(args.checkpoint)
     if found is None:
         raise FileNotFoundError(

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from megatron_gigpo.config import Config
 
-__all__ = ["cold_start", "demos_path", "with_sft_data"]
+__all__ = ["cold_start", "demos_path", "from_cold_start", "with_sft_data"]
 
 log = logging.getLogger(__name__)
 
@@ -75,4 +75,31 @@ def cold_start(cfg: Config) -> Config:
             raise RuntimeError(f"the SFT stage ended without its export in {cfg.run_dir / 'sft'}")
     else:
         log.info("cold start: SFT finished earlier; RL starts from %s", model)
+    return from_cold_start(cfg)
+
+
+def from_cold_start(cfg: Config) -> Config:
+    """The RL config of a run whose cold start has finished: what ``train`` trained and ``eval`` must load.
+
+    A checkpoint of an RL run that used adapters (``model.lora``) holds its frozen base only as the model it
+    started from, so evaluating it on the recipe's ``model.init: random`` would score adapters on random weights.
+
+    Returns:
+        ``cfg`` unchanged when ``sft.enabled`` is false; else ``cfg`` whose ``model.path`` is the SFT export
+        ``<run dir>/sft/hf`` (absolute) and ``model.init`` is ``pretrained``.
+
+    Raises:
+        FileNotFoundError: ``sft.enabled`` and the run has no finished SFT export (names the folder).
+    """
+    if not cfg.sft.enabled:
+        return cfg
+    from megatron_gigpo.sft.trainer import finished_model
+
+    model = finished_model(cfg)
+    if model is None:
+        raise FileNotFoundError(
+            f"sft.enabled: the run's cold start export {cfg.run_dir / 'sft' / 'hf'} is missing (no config.json); "
+            "run `megatron-gigpo train` (or `sft`) for this trainer.experiment_name first, or set sft.enabled=false "
+            "and model.path to the model the run started from"
+        )
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model.resolve()), init="pretrained"))

@@ -108,6 +108,24 @@ def test_eval_and_plot_name_missing_paths_before_starting(tmp_path, capsys):
     assert "no metrics.jsonl" in capsys.readouterr().err
 
 
+def test_eval_of_a_cold_started_run_loads_its_sft_export(tmp_path, capsys):
+    """eval scores a run on the model its RL started from (the SFT export), not the recipe's random init: a
+    LoRA checkpoint's base is that model (``from_cold_start``)."""
+    from megatron_gigpo.config import load_config
+    from megatron_gigpo.sft.cold_start import from_cold_start
+
+    recipe = str(ROOT / "recipes/cpu/sokoban.yaml")  # sft.enabled, model.init: random
+    overrides = [f"trainer.output_dir={tmp_path}", "trainer.experiment_name=cold"]
+    assert main(["eval", recipe, *overrides, "--checkpoint", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "sft/hf" in err and "Traceback" not in err
+    export = tmp_path / "cold" / "sft" / "hf"
+    export.mkdir(parents=True)
+    (export / "config.json").write_text("{}")
+    cfg = from_cold_start(load_config(recipe, overrides))
+    assert (cfg.model.path, cfg.model.init) == (str(export.resolve()), "pretrained")
+
+
 def test_train_of_a_finished_run_returns_at_once(tmp_path, capsys):
     recipe = str(ROOT / "recipes/smoke/cpu.yaml")
     overrides = [f"trainer.output_dir={tmp_path}", "trainer.experiment_name=done", "trainer.total_iterations=3"]
