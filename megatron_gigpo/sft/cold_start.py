@@ -93,12 +93,12 @@ def from_cold_start(cfg: Config) -> Config:
     """
     if not cfg.sft.enabled:
         return cfg
-    from megatron_gigpo.sft.trainer import finished_model
+    from megatron_gigpo.sft.trainer import HF_SUBDIR, finished_model, sft_dir
 
     model = finished_model(cfg)
     if model is None:
         raise FileNotFoundError(
-            f"sft.enabled: the run's cold start export {cfg.run_dir / 'sft' / 'hf'} is missing (no config.json); "
+            f"sft.enabled: the run's cold start export {sft_dir(cfg) / HF_SUBDIR} is missing (no config.json); "
             "run `megatron-gigpo train` (or `sft`) for this trainer.experiment_name first, or set sft.enabled=false "
             "and model.path to the model the run started from"
         )

@@ -13,8 +13,9 @@ update):
   (2026-12-03), also 0.18, 0.18, 0.18 with full fine-tuning at lr 1e-4 (five steps per iteration here),
   0.15, 0.15, 0.22 with its earlier one step per iteration at lr 3e-5, 0.23, 0.17, 0.34 with eight steps at
   lr 1e-4 over 8 groups, 0.20, 0.10, 0.37 with the earlier 49,152-id model). A flipped advantage sign turns
-  both around: with the recipe's settings correlation -0.07, -0.07, -0.16 and pos < neg (2026-12-02, both tests
-  fail), with the one-step recipe -0.19, -0.18, -0.28;
+  both around: with the LoRA recipe correlation -0.05, -0.08 and pos < neg over two iterations (2026-12-03;
+  the run then hit its timeout under load), with full fine-tuning at lr 1e-4 -0.07, -0.07, -0.16 and
+  pos < neg (2026-12-02, both tests fail), with the one-step recipe -0.19, -0.18, -0.28;
   with the one-step recipe, advantages scattered onto the wrong rows (``row_adv.roll(1)`` in each
   micro-batch) gave 0.02, 0.12, 0.16, below the per-iteration bound (and held-out success fell 0.180 -> 0.141);
 - vLLM's sampling log-probs equal the actor's on the same tokens (``rollout/actor_logprob_diff_max < 1e-3``,
