@@ -9,7 +9,8 @@ update):
 - rows with positive advantage gain log-probability relative to rows with negative advantage
   (``actor/update_effect_pos > actor/update_effect_neg``, means over the iterations) and the change correlates
   with the advantage (``actor/update_effect_corr`` above 0.05 in every iteration and 0.1 on average; measured
-  0.18, 0.18, 0.18 with the recipe's LoRA adapters (rank 16) at lr 1e-3 in mini-batches of 512 rows
+  0.18, 0.15, 0.17 with the recipe's `minimal` template (2026-12-03, evening), 0.18, 0.18, 0.18 with the
+  recipe's LoRA adapters (rank 16) at lr 1e-3 in mini-batches of 512 rows and the `compact` template
   (2026-12-03), also 0.18, 0.18, 0.18 with full fine-tuning at lr 1e-4 (five steps per iteration here),
   0.15, 0.15, 0.22 with its earlier one step per iteration at lr 3e-5, 0.23, 0.17, 0.34 with eight steps at
   lr 1e-4 over 8 groups, 0.20, 0.10, 0.37 with the earlier 49,152-id model). A flipped advantage sign turns
@@ -21,9 +22,10 @@ update):
 - vLLM's sampling log-probs equal the actor's on the same tokens (``rollout/actor_logprob_diff_max < 1e-3``,
   fp32): a weight sync that does not reach the engines leaves them sampling from the old weights (sync
   skipped, one-step recipe: 0.38 at iteration 2, 1.5 at 3);
-- held-out greedy success (the recipe's 256 validation rooms, in neither the demonstrations nor the RL tasks)
-  after RL is at least its value before RL. With the recipe's LoRA settings it held: 0.180 -> 0.180 after
-  three iterations (2026-12-03). With full fine-tuning (mini-batches of 512 rows at lr 1e-4
+- held-out greedy success (256 validation rooms, in neither the demonstrations nor the RL tasks; the recipe
+  itself validates at temperature 1 on 512) after RL is at least its value before RL. With the `minimal`
+  template: 0.445 -> 0.453 after three iterations; with `compact` and the LoRA settings: 0.180 -> 0.180
+  (2026-12-03). With full fine-tuning (mini-batches of 512 rows at lr 1e-4
   over 32 groups x 8) it held here: 0.180 -> 0.180 after three iterations, and with the advantage sign flipped
   it fell to 0.141, so this check also catches a flipped sign (with the earlier one step per iteration at lr
   3e-5 it did not: three such steps barely moved the greedy policy). With eight steps per
