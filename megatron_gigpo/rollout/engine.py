@@ -145,9 +145,10 @@ class EngineConfig:
         max_num_seqs: concurrent sequences per engine step.
         env_vars: extra environment of the engine actor and its vLLM processes.
         num_cpus: Ray CPUs reserved per engine.
-        distributed_executor_backend: vLLM's executor for TP > 1 (``"ray"``: one vLLM Ray worker per bundle
-            listed in ``VLLM_RAY_BUNDLE_INDICES`` of the engine actor's placement group; ``"mp"``: worker
-            processes inside the engine actor); None: vLLM's default. Set by the placement plan.
+        distributed_executor_backend: vLLM's executor (``"ray"``: one vLLM Ray worker per bundle listed in
+            ``VLLM_RAY_BUNDLE_INDICES`` of the engine actor's placement group; ``"mp"``: worker processes inside
+            the engine actor; ``"uni"``: one worker in the engine's process, and on CPU the engine core too,
+            see :func:`_in_process_cpu_engine`); None: vLLM's default. Set by the placement plan.
     """
 
     model_path: str
@@ -185,6 +186,18 @@ class EngineConfig:
             raise FileNotFoundError(f"EngineConfig.model_path={self.model_path!r} has no config.json")
 
 
+def _in_process_cpu_engine() -> None:
+    """Run all of a CPU engine in this process: vLLM's engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``;
+    with the ``"uni"`` executor no engine-core or worker process is spawned, each of which would import torch and
+    vLLM again: an engine started in ~35 s instead of ~90 s in a Ray actor on 2 cores, benchmarks/engine_start.py),
+    with torch's intra-op pool set to this process's CPUs. Ray starts an actor with ``OMP_NUM_THREADS`` = its
+    ``num_cpus`` (1 for an engine slot) and vLLM's CPU worker replaces ``torch.set_num_threads`` by a no-op while
+    it starts, so the pool is set here, before ``vllm.LLM``. Engines generate while the actor ranks wait, so the
+    engine takes every CPU the process may use."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+
+
 class RolloutEngine:
     """One vLLM engine; meant to run as a Ray actor (:meth:`launch`), usable in-process too.
 
@@ -201,6 +214,8 @@ class RolloutEngine:
             kwargs.update(gpu_memory_utilization=config.rollout.gpu_memory_utilization,
                           enable_sleep_mode=config.enable_sleep_mode)
         else:
+            if config.distributed_executor_backend == "uni":
+                _in_process_cpu_engine()
             # No chunked prefill on CPU: a prompt prefilled in parts rewinds its per-request seeded generator
             # (vLLM's discard_request_mask), which the CPU generator refuses ("CPU Generator does not use
             # offset") and the engine dies. Whole prompts only, so the step's token budget must hold one.

@@ -30,7 +30,8 @@ def engine_group(ray_local, tiny_model_dir):
 
     rollout = RolloutConfig(prompt_length=MAX_MODEL_LEN // 2, response_length=MAX_MODEL_LEN // 2,
                             cpu_kvcache_space_gib=0.25)
-    group = RolloutEngineGroup(str(tiny_model_dir), rollout, num_cpus=1, dtype="bfloat16")
+    group = RolloutEngineGroup(str(tiny_model_dir), rollout, num_cpus=1, dtype="bfloat16",
+                               distributed_executor_backend="uni")
     try:
         yield group
     finally:

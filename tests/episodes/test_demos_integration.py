@@ -45,7 +45,8 @@ def engine_group(ray_local, tiny_model_dir):
     from megatron_gigpo.rollout.engine import RolloutEngineGroup
 
     rollout = RolloutConfig(prompt_length=1024, response_length=1024, cpu_kvcache_space_gib=0.25)
-    group = RolloutEngineGroup(str(tiny_model_dir), rollout, num_cpus=1, dtype="bfloat16")
+    group = RolloutEngineGroup(str(tiny_model_dir), rollout, num_cpus=1, dtype="bfloat16",
+                               distributed_executor_backend="uni")
     try:
         yield group
     finally:

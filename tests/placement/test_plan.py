@@ -158,7 +158,7 @@ def test_cpu_engines_share_the_rank_bundles():
     plan = plan_placement(cfg)
     assert [e.host.bundle for e in plan.engines] == [0, 1, 0] and plan.total_gpus == 0
     assert plan.bundles == (({"CPU": 1.25}, {"CPU": 0.75}),)
-    assert {e.executor for e in plan.engines} == {None}
+    assert {e.executor for e in plan.engines} == {"uni"}  # all of vLLM in the engine actor's process
     _check_invariants(plan, cfg)
     disaggregated = plan_placement(load_config(RECIPES / "smoke/cpu.yaml", ["rollout.weight_sync_mode=disaggregated"]))
     assert disaggregated.bundles == (({"CPU": 0.25}, {"CPU": 0.25}, {"CPU": 0.5}),)

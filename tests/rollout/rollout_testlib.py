@@ -7,13 +7,15 @@ import torch
 from megatron_gigpo.config import RolloutConfig
 
 # Engine actors: quiet vLLM; small fixed settings so engines and Megatron ranks fit beside other tests.
-# 128 + 128 = 256 tokens of context, 1 GiB of KV cache per engine.
+# 128 + 128 = 256 tokens of context, 1 GiB of KV cache per engine; all of vLLM in the engine actor's process, as
+# the placement plan runs a CPU engine of TP 1.
 ROLLOUT = RolloutConfig(prompt_length=128, response_length=128, cpu_kvcache_space_gib=1.0)
 ENGINE_KWARGS = dict(
     rollout=ROLLOUT,
     max_num_seqs=16,
     seed=0,
     env_vars={"VLLM_LOGGING_LEVEL": "WARNING"},
+    distributed_executor_backend="uni",
 )
 
 

@@ -63,6 +63,23 @@ def test_generate_returns_responses_and_log_probs_in_prompt_order(group):
     assert info.vocab_size == 512 and info.eos_token_id == 511
 
 
+def _process_facts(engine) -> tuple[int, int, int]:
+    """Inside an engine actor: torch's intra-op threads, the CPUs the process may use, its child processes."""
+    import os
+
+    import psutil
+
+    return torch.get_num_threads(), len(os.sched_getaffinity(0)), len(psutil.Process().children(recursive=True))
+
+
+def test_cpu_engine_runs_in_its_actor_on_the_actors_cpus(group, ray_session):
+    """Executor "uni" on CPU (the placement plan's choice for TP 1): vLLM starts no engine-core or worker process,
+    and torch computes on every CPU of the actor, not on the one thread Ray's OMP_NUM_THREADS gives it."""
+    facts = ray_session.get([e.__ray_call__.remote(_process_facts) for e in group.engines])
+    for threads, cpus, children in facts:
+        assert (threads, children) == (cpus, 0), facts
+
+
 def test_seeded_sampling_does_not_depend_on_the_data_parallel_split(group, ray_session):
     prompts = random_prompts(7, seed=1)
     sampling = SamplingConfig(temperature=1.0, top_p=0.95, top_k=50, max_tokens=8, seed=11)

@@ -74,7 +74,8 @@ def _vllm_check(hf_dir: Path, rows):
     from megatron_gigpo.rollout.engine import RolloutEngineGroup, SamplingConfig
 
     rollout = RolloutConfig(prompt_length=128, response_length=128, cpu_kvcache_space_gib=0.25)
-    engines = RolloutEngineGroup(str(hf_dir), rollout, dtype="float32", num_cpus=0.5, seed=0)
+    engines = RolloutEngineGroup(str(hf_dir), rollout, dtype="float32", num_cpus=0.5, seed=0,
+                                 distributed_executor_backend="uni")
     try:
         sequences = [torch.cat([p, r]).tolist() for p, r in zip(rows.prompt_ids, rows.response_ids)]
         log_probs = [torch.tensor(lp[p.numel() - 1 :]) for lp, p in zip(engines.compute_log_probs(sequences),

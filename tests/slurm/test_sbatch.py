@@ -254,7 +254,9 @@ def test_contradicting_ray_auth_mode_fails_before_ray_starts(slurm_cluster, tmp_
 @pytest.mark.slow
 def test_cpu_smoke_recipe_trains_one_iteration_through_sbatch(slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
-    args = [RECIPE, "trainer.total_iterations=1", f"trainer.output_dir={run_dir}"]
+    # One iteration of one-step episodes with short replies: the plumbing of a pretrained model, not its answers.
+    args = [RECIPE, "trainer.total_iterations=1", f"trainer.output_dir={run_dir}", "env.max_steps=1",
+            "rollout.response_length=48"]
     job_id = submit(["--partition=debug"], args, tmp_path, {})
     result = wait_job(job_id, tmp_path, timeout_s=1800)
     try:
