@@ -23,16 +23,17 @@ update):
   fp32): a weight sync that does not reach the engines leaves them sampling from the old weights (sync
   skipped, one-step recipe: 0.38 at iteration 2, 1.5 at 3);
 - held-out greedy success (256 validation rooms, in neither the demonstrations nor the RL tasks; the recipe
-  itself validates at temperature 1 on 512) after RL is at least its value before RL. With the `minimal`
-  template: 0.445 -> 0.453 after three iterations; with `compact` and the LoRA settings: 0.180 -> 0.180
-  (2026-12-03). With full fine-tuning (mini-batches of 512 rows at lr 1e-4
-  over 32 groups x 8) it held here: 0.180 -> 0.180 after three iterations, and with the advantage sign flipped
-  it fell to 0.141, so this check also catches a flipped sign (with the earlier one step per iteration at lr
-  3e-5 it did not: three such steps barely moved the greedy policy). With eight steps per
-  iteration over 8 groups at lr 1e-4 it fell 0.180 -> 0.121, and with Adam epsilon 1e-3 at lr 2e-3 (cosine)
-  0.180 -> 0.133.
+  itself validates at temperature 1 on 512) after RL is not significantly below its value before RL (at most
+  two standard errors lower: :func:`check_held_out`). This guards against a collapse, not a sign: from the
+  same cold start three iterations gave 0.445 -> 0.453 with the engine on one thread (2026-12-03) and
+  0.445 -> 0.418 with it on two (2026-12-04, vLLM in the engine actor's process; correlation 0.20, 0.16,
+  0.22): the float reduction order alone moves it by a standard error. With `compact` prompts a flipped
+  advantage sign lowered it 0.180 -> 0.141, inside the bound at p = 0.18 (0.048): the update-effect check is
+  the one that catches a flipped sign. Earlier falls: 0.180 -> 0.121 with eight steps per iteration over 8
+  groups at lr 1e-4, 0.180 -> 0.133 with Adam epsilon 1e-3 at lr 2e-3 (cosine).
 """
 
+import math
 from pathlib import Path
 
 import pytest
@@ -47,8 +48,9 @@ RECIPE = ROOT / "recipes/cpu/sokoban.yaml"
 # The README recipe from its shrunk cold start (``small_cold_start`` in conftest.py), three RL iterations.
 ITERATIONS = 3
 # Greedy validation (the recipe validates at the sampling temperature): the held-out check is then deterministic.
+VAL_ROOMS = 256
 SMALL = ["logging.progress_bars=false", "checkpoint.save_every=0", "rollout.val_temperature=0.0",
-         "env.val_num_groups=256"]
+         f"env.val_num_groups={VAL_ROOMS}"]
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +87,13 @@ def check_update_effect(records: list[dict]) -> None:
     assert min(corr) > 0.05 and sum(corr) / len(corr) > 0.1, corr
 
 
-def check_held_out(records: list[dict]) -> None:
-    """Held-out greedy success after RL is at least its value before RL (validation at 0 and at the end)."""
+def check_held_out(records: list[dict], rooms: int = VAL_ROOMS) -> None:
+    """Held-out greedy success after RL is not significantly below its value before RL (validation at 0 and at
+    the end): at most two standard errors of a ``rooms``-room success rate lower, ``2 * sqrt(p (1 - p) / rooms)``
+    at the starting rate p (0.062 at p = 0.445 on 256 rooms). A plain ``after >= before`` tested noise: the same
+    run gave 0.445 -> 0.453 and 0.445 -> 0.418 when only the engine's torch thread count (the float reduction
+    order, so the sampled rollouts) changed."""
     val = "val/episode/sokoban/success_rate"
-    assert records[-1][val] >= records[0][val], (records[0][val], records[-1][val])
+    before, after = records[0][val], records[-1][val]
+    tolerance = 2 * math.sqrt(before * (1 - before) / rooms)
+    assert after >= before - tolerance, (before, after, tolerance)
