@@ -27,9 +27,11 @@ update):
   two standard errors lower: :func:`check_held_out`). This guards against a collapse, not a sign: from the
   same cold start three iterations gave 0.445 -> 0.453 with the engine on one thread (2026-12-03) and
   0.445 -> 0.418 with it on two (2026-12-04, vLLM in the engine actor's process; correlation 0.20, 0.16,
-  0.22): the float reduction order alone moves it by a standard error. With `compact` prompts a flipped
-  advantage sign lowered it 0.180 -> 0.141, inside the bound at p = 0.18 (0.048): the update-effect check is
-  the one that catches a flipped sign. Earlier falls: 0.180 -> 0.121 with eight steps per iteration over 8
+  0.22): the float reduction order alone moves it by a standard error. With the advantage sign flipped
+  (``-adv.advantage`` in driver.py, 2026-12-04, same cold start) both tests fail: correlation -0.17, -0.21,
+  -0.31, pos < neg, and held-out 0.445 -> 0.324. With `compact` prompts a flipped sign lowered it only
+  0.180 -> 0.141, inside the bound at p = 0.18 (0.048): the update-effect check is the one that always
+  catches it. Earlier falls: 0.180 -> 0.121 with eight steps per iteration over 8
   groups at lr 1e-4, 0.180 -> 0.133 with Adam epsilon 1e-3 at lr 2e-3 (cosine).
 """
 
