@@ -17,11 +17,14 @@ update):
   both around: with the LoRA recipe correlation -0.05, -0.08 and pos < neg over two iterations (2026-12-03;
   the run then hit its timeout under load), with full fine-tuning at lr 1e-4 -0.07, -0.07, -0.16 and
   pos < neg (2026-12-02, both tests fail), with the one-step recipe -0.19, -0.18, -0.28;
-  with the one-step recipe, advantages scattered onto the wrong rows (``row_adv.roll(1)`` in each
-  micro-batch) gave 0.02, 0.12, 0.16, below the per-iteration bound (and held-out success fell 0.180 -> 0.141);
+  advantages scattered onto the wrong rows (``row_adv.roll(1)`` in each micro-batch of actor/update.py) gave
+  0.15, 0.047, 0.030 with the current `minimal` LoRA recipe (2026-12-04: below 0.05 in two iterations and
+  0.076 on average, so the test fails; held-out 0.445 -> 0.430) and 0.02, 0.12, 0.16 with the one-step recipe
+  (held-out fell 0.180 -> 0.141);
 - vLLM's sampling log-probs equal the actor's on the same tokens (``rollout/actor_logprob_diff_max < 1e-3``,
   fp32): a weight sync that does not reach the engines leaves them sampling from the old weights (sync
-  skipped, one-step recipe: 0.38 at iteration 2, 1.5 at 3);
+  skipped in driver.py, current recipe 2026-12-04: 5.1 at iteration 2, 6.2 at 3, while the correlation
+  stayed 0.20, 0.17, 0.23 and held-out 0.445 -> 0.445; one-step recipe: 0.38 and 1.5);
 - held-out greedy success (256 validation rooms, in neither the demonstrations nor the RL tasks; the recipe
   itself validates at temperature 1 on 512) after RL is not significantly below its value before RL (at most
   two standard errors lower: :func:`check_held_out`). This guards against a collapse, not a sign: from the
