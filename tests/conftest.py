@@ -14,25 +14,7 @@ import torch
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 
-# scripts/test.sh runs two pytest-xdist workers that take one file at a time in collection order: the files of
-# several minutes go first, so that the short ones fill the gaps at the end. Seconds on 2 cores (2026-12-04,
-# serial): dynamic sampling 526 (it builds the shared small cold start), sbatch 312, train_e2e 291, learning 355
-# (after the cold start is built: placed later, so that its worker does not wait on the other's build), SFT
-# 111, boundary values 108. The remaining `slow` files follow, then the rest, each group in collection order.
-LONG_FILES = ("driver/test_dynamic_sampling_e2e.py", "slurm/test_sbatch.py", "driver/test_train_e2e.py",
-              "driver/test_learning.py", "sft/test_sft_e2e.py", "driver/test_boundary_values_e2e.py")
-
-
-def _schedule_rank(item, slow_files: set[str]) -> int:
-    path = item.nodeid.split("::", 1)[0].removeprefix("tests/")
-    if path in LONG_FILES:
-        return LONG_FILES.index(path)
-    return len(LONG_FILES) + (0 if path in slow_files else 1)
-
-
 def pytest_collection_modifyitems(config, items):
-    slow_files = {item.nodeid.split("::", 1)[0].removeprefix("tests/") for item in items if "slow" in item.keywords}
-    items.sort(key=lambda item: _schedule_rank(item, slow_files))  # stable: collection order within a rank
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

@@ -1,6 +1,5 @@
 """Fixtures shared by the driver tests."""
 
-import os
 from pathlib import Path
 
 import pytest
@@ -18,17 +17,10 @@ def small_cold_start(tmp_path_factory) -> Path:
     """The SFT export (``<run>/sft/hf``) of the shrunk README recipe: demonstrations + SFT on its random model.
 
     Built once per test session and shared by test_learning.py and test_dynamic_sampling_e2e.py (about two
-    minutes on 2 cores). Under pytest-xdist (scripts/test.sh runs two workers) the first worker that needs it
-    builds it in the session's shared temp folder while holding a file lock; the other waits for it."""
-    from filelock import FileLock
-
-    # xdist: every worker's basetemp lies in one session folder; without xdist basetemp is that folder.
-    root = tmp_path_factory.getbasetemp()
-    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
-    model = root / "cold-start" / "cold" / "sft" / "hf"
-    with FileLock(str(root / "cold-start.lock"), timeout=1800):
-        if not (model / "config.json").is_file():
-            run_cli("sft", str(COLD_START_RECIPE), f"trainer.output_dir={root / 'cold-start'}",
-                    "trainer.experiment_name=cold", *COLD_START_OVERRIDES)
+    minutes on 2 cores)."""
+    out = tmp_path_factory.mktemp("cold-start")
+    run_cli("sft", str(COLD_START_RECIPE), f"trainer.output_dir={out}", "trainer.experiment_name=cold",
+            *COLD_START_OVERRIDES)
+    model = out / "cold" / "sft" / "hf"
     assert (model / "config.json").is_file()
     return model
