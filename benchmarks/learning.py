@@ -20,18 +20,19 @@
                                (``dynamic_sampling/rounds`` in its metrics)
    ==========================  ===========================================================================
 
-3. Greedy success on the recipe's held-out validation rooms (never in the demonstrations nor the RL tasks)
-   is measured before RL and every ``trainer.val_every`` iterations.
+3. Success on the recipe's held-out validation rooms (never in the demonstrations nor the RL tasks), sampled
+   at the recipe's ``rollout.val_temperature`` (the main job: 1.0, the policy RL trains; 0: greedy), is
+   measured before RL and every ``trainer.val_every`` iterations.
 
 Prints a table of held-out success per validation point (mean +- std over seeds), the step-group size
 histogram of the first and last iteration of the GiGPO runs (the paper's Figure 7 view), writes
 ``<out>/learning.png`` and ``<out>/step_groups.png`` and a ``<out>/summary.json``, and ends with
 ``gigpo_minus_grpo=<points>``: the final held-out success of GiGPO minus that of GRPO, in percentage points
-(mean over seeds). It is a benchmark, not a test. With the README recipe one iteration takes ~55 s on a 2-core
-machine, so the full default (5 methods x 3 seeds x 40 iterations) takes ~9 hours there; a CPU-sized run is
-``--methods gigpo,grpo --seeds 2 env.num_groups=16 trainer.ppo_mini_batch_size=256`` (~35 s per iteration,
-about 110 minutes with the cold start and validations). An existing ``--out`` folder's cold start and finished
-runs are reused, so change ``--out`` when the recipe or the iteration count changes.
+(mean over seeds). It is a benchmark, not a test. With the README recipe (10 iterations of ~45-60 s on a 2-core
+machine, three validations of ~45 s) one run takes ~11 minutes there, so the full default (5 methods x 3 seeds)
+takes ~3 hours; a CPU-sized run is ``--methods gigpo,grpo --seeds 2`` (~50 minutes with the ~7-minute cold
+start). An existing ``--out`` folder's cold start and finished runs are reused, so change ``--out`` when the
+recipe or the iteration count changes.
 """
 
 from __future__ import annotations
@@ -102,13 +103,18 @@ def run(args: argparse.Namespace) -> dict:
             curves[method].append(_val_curve(records, val_key))
             train_records = [r for r in records if r["step"] > 0]
             hists[method].append((_hist(train_records[0]), _hist(train_records[-1])))
-    return {"env": env, "curves": curves, "hists": hists, "out": str(out)}
+    return {"env": env, "curves": curves, "hists": hists, "out": str(out),
+            "measure": _measure(cfg.rollout.val_temperature)}
+
+
+def _measure(temperature: float) -> str:
+    return "held-out greedy success" if temperature == 0 else f"held-out success at temperature {temperature:g}"
 
 
 def summarize(result: dict) -> float:
     curves, out = result["curves"], Path(result["out"])
     steps = sorted(set.intersection(*(set(c) for cs in curves.values() for c in cs)))
-    print(f"\nheld-out greedy success ({result['env']}), mean +- std over seeds, by iteration")
+    print(f"\n{result['measure']} ({result['env']}), mean +- std over seeds, by iteration")
     print(f"{'method':<18}" + "".join(f"{s:>14}" for s in steps))
     table: dict[str, dict[int, tuple[float, float]]] = {}
     for method, cs in curves.items():
@@ -140,7 +146,7 @@ def _plots(table: dict, result: dict, out: Path) -> None:
         std = np.array([points[s][1] for s in xs])
         ax.plot(xs, mean, marker="o", label=method)
         ax.fill_between(xs, mean - std, mean + std, alpha=0.15)
-    ax.set(xlabel="RL iteration", ylabel="held-out greedy success", title=f"{result['env']}: GiGPO vs GRPO")
+    ax.set(xlabel="RL iteration", ylabel=result["measure"], title=f"{result['env']}: GiGPO vs GRPO")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

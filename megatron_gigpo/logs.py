@@ -32,12 +32,15 @@ _FORMAT = "%(asctime)s %(levelname)s %(name)s [pid %(process)d] %(message)s"
 # Warnings that are known and harmless here, kept off the terminal (they stay in the files):
 # - every weight sync: vLLM's layer-wise reload skips the rotary buffers and the tied head, which the worker
 #   extension refreshes itself (rollout/worker_extension.py);
-# - vLLM on CPU: notices about GPU-only features and optional CPU libraries at engine start.
+# - vLLM on CPU: notices about GPU-only features and optional CPU libraries at engine start;
+# - the in-process CPU engine (rollout/engine.py sets torch's thread pool itself before vLLM binds threads,
+#   and the engine actor's process runs nothing else that draws from the global random generators).
 _HARMLESS = (
     "Failed to load weights",
     "Triton is installed, but doesn't include CPU backend", "Triton is not installed", "requires Triton",
     "does not officially support disabling chunked prefill", "Enforce eager set", "Inductor compilation was disabled",
     "SSM cache type", "is not found in LD_PRELOAD",
+    "doesn't allow to use `torch.set_num_threads` after the thread binding", "The global random seed is set to",
 )
 
 #: The terminal (the worker's original stderr, forwarded by Ray) once :func:`setup_worker` ran; else None.

@@ -23,11 +23,13 @@ and an explicit ``still`` is a valid, unpenalised no-op (not admissible: ``StepR
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
+import logging
 import random
 import re
 import zlib
-
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +45,8 @@ from megatron_gigpo.fields import num
 
 if TYPE_CHECKING:
     from megatron_gigpo.episodes.prompts import StepPromptState
+
+log = logging.getLogger(__name__)
 
 ACTIONS: tuple[str, ...] = ("up", "down", "left", "right")
 # gym-sokoban action ids: 0 no-op, 1..4 push (or move when no box) up/down/left/right.
@@ -63,11 +67,23 @@ TASK_DESCRIPTION = "Push every box (X) onto a target (O)."
 
 
 @functools.lru_cache(maxsize=1)
-def _grid_sokoban_class() -> type:
-    """gym-sokoban's SokobanEnv with pixel rendering replaced by the raw grid (text mode needs no image).
+def _import_gym() -> None:
+    """Import gym (which gym-sokoban needs) on first use, so that importing this module does not.
 
-    Built on first use so that importing this module does not import gym.
+    gym prints a notice about its maintenance to stderr on import (from ``gym_notices``); it goes to this
+    module's logger at INFO (the run's log files) instead of the terminal.
     """
+    notice = io.StringIO()
+    with contextlib.redirect_stderr(notice):
+        import gym  # noqa: F401 - imported for its side effect, once
+    if notice.getvalue().strip():
+        log.info("gym on import: %s", notice.getvalue().strip())
+
+
+@functools.lru_cache(maxsize=1)
+def _grid_sokoban_class() -> type:
+    """gym-sokoban's SokobanEnv with pixel rendering replaced by the raw grid (text mode needs no image)."""
+    _import_gym()
     from gym_sokoban.envs.sokoban_env import SokobanEnv as GymSokobanEnv
 
     class GridSokoban(GymSokobanEnv):
@@ -99,6 +115,7 @@ def generate_room(
     Raises:
         RuntimeError: when ``max_attempts`` walks all failed (e.g. too many boxes for the room size).
     """
+    _import_gym()
     from gym_sokoban.envs.room_utils import generate_room as gym_generate_room
 
     py_state, np_state = random.getstate(), np.random.get_state()

@@ -197,3 +197,15 @@ def test_bad_inputs():
         SokobanEnv(dim_room=(2, 6))
     with pytest.raises(RuntimeError, match="generation failed"):
         SokobanEnv(dim_room=(4, 4), num_boxes=6, max_generation_attempts=2).reset(load_tasks("train", 1)[0], 0)
+
+
+def test_gym_import_notice_stays_off_the_terminal():
+    """gym prints a maintenance notice to stderr when imported; the environment logs it instead (INFO, the run's
+    log files), so the main job's terminal shows only its own lines."""
+    import subprocess
+    import sys
+
+    code = ("from megatron_gigpo.envs.sokoban import generate_room, _grid_sokoban_class\n"
+            "generate_room(1, (6, 6), 1, 20, 5)\n_grid_sokoban_class()\nimport gym\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert "gym" not in proc.stderr.lower(), proc.stderr
