@@ -24,15 +24,15 @@
    at the recipe's ``rollout.val_temperature`` (the main job: 1.0, the policy RL trains; 0: greedy), is
    measured before RL and every ``trainer.val_every`` iterations.
 
-Prints a table of held-out success per validation point (mean +- std over seeds), the step-group size
-histogram of the first and last iteration of the GiGPO runs (the paper's Figure 7 view), writes
-``<out>/learning.png`` and ``<out>/step_groups.png`` and a ``<out>/summary.json``, and ends with
-``gigpo_minus_grpo=<points>``: the final held-out success of GiGPO minus that of GRPO, in percentage points
-(mean over seeds). It is a benchmark, not a test. With the README recipe (10 iterations of ~45-60 s on a 2-core
-machine, three validations of ~45 s) one run takes ~11 minutes there, so the full default (5 methods x 3 seeds)
-takes ~3 hours; a CPU-sized run is ``--methods gigpo,grpo --seeds 2`` (~50 minutes with the ~7-minute cold
-start). An existing ``--out`` folder's cold start and finished runs are reused, so change ``--out`` when the
-recipe or the iteration count changes.
+Prints a table of held-out success per validation point and one of training success per iteration (mean +-
+std over seeds), the step-group size histogram of the first and last iteration of the GiGPO runs (the paper's
+Figure 7 view), writes ``<out>/learning.png`` (both curves) and ``<out>/step_groups.png`` and a
+``<out>/summary.json``, and ends with ``gigpo_minus_grpo=<points>``: the final held-out success of GiGPO minus
+that of GRPO, in percentage points (mean over seeds). It is a benchmark, not a test. Measured on a 2-core
+machine (2026-12-05, a slow day: ~90 s per iteration of the README recipe, ~55 s per 512-room validation):
+``--methods gigpo,grpo --seeds 3 --iterations 5`` took 62 minutes for its 6 runs after a 13-minute cold start;
+all four issue methods at 3 seeds and 5 iterations are 12 such runs. An existing ``--out`` folder's cold start
+and finished runs are reused, so change ``--out`` when the recipe or the iteration count changes.
 """
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ def run(args: argparse.Namespace) -> dict:
     iterations = cfg.trainer.total_iterations if args.iterations is None else args.iterations
     _cli("sft", args.recipe, *base, "trainer.experiment_name=cold-start")
     model = out / "cold-start" / "sft" / "hf"
-    val_key = f"val/episode/{env}/success_rate"
+    val_key, train_key = f"val/episode/{env}/success_rate", f"episode/{env}/success_rate"
     curves: dict[str, list[dict[int, float]]] = {m: [] for m in args.methods}
+    train_curves: dict[str, list[dict[int, float]]] = {m: [] for m in args.methods}
     hists: dict[str, list[tuple[dict, dict]]] = {m: [] for m in args.methods}
     for seed in range(1, args.seeds + 1):
         for method in args.methods:
@@ -102,8 +103,9 @@ def run(args: argparse.Namespace) -> dict:
             records = _records(out / name)
             curves[method].append(_val_curve(records, val_key))
             train_records = [r for r in records if r["step"] > 0]
+            train_curves[method].append(_val_curve(train_records, train_key))
             hists[method].append((_hist(train_records[0]), _hist(train_records[-1])))
-    return {"env": env, "curves": curves, "hists": hists, "out": str(out),
+    return {"env": env, "curves": curves, "train_curves": train_curves, "hists": hists, "out": str(out),
             "measure": _measure(cfg.rollout.val_temperature)}
 
 
@@ -111,44 +113,59 @@ def _measure(temperature: float) -> str:
     return "held-out greedy success" if temperature == 0 else f"held-out success at temperature {temperature:g}"
 
 
-def summarize(result: dict) -> float:
-    curves, out = result["curves"], Path(result["out"])
+def _table(curves: dict[str, list[dict[int, float]]], title: str) -> dict[str, dict[int, tuple[float, float]]]:
+    """Mean and std over seeds of each method's curve at the steps every run has; printed under ``title``."""
     steps = sorted(set.intersection(*(set(c) for cs in curves.values() for c in cs)))
-    print(f"\n{result['measure']} ({result['env']}), mean +- std over seeds, by iteration")
+    print(f"\n{title}, mean +- std over seeds, by iteration")
     print(f"{'method':<18}" + "".join(f"{s:>14}" for s in steps))
     table: dict[str, dict[int, tuple[float, float]]] = {}
     for method, cs in curves.items():
         table[method] = {s: (float(np.mean([c[s] for c in cs])), float(np.std([c[s] for c in cs]))) for s in steps}
         print(f"{method:<18}" + "".join(f"{m:>8.3f}+-{sd:<4.2f}" for m, sd in table[method].values()))
+    return table
+
+
+def summarize(result: dict) -> float:
+    out = Path(result["out"])
+    table = _table(result["curves"], f"{result['measure']} ({result['env']})")
+    steps = sorted(next(iter(table.values())))
+    # Training rooms, sampled at rollout.temperature: every iteration, but on the tasks RL trains on.
+    train_table = _table(result["train_curves"], f"training success ({result['env']}, the iteration's own episodes)")
     print("\nstep-group sizes (GiGPO runs, summed over seeds): bucket: first iteration -> last iteration")
     first = [h[0] for h in result["hists"]["gigpo"]]
     last = [h[1] for h in result["hists"]["gigpo"]]
     for bucket in first[0]:
         print(f"  size {bucket:>6}: {sum(h.get(bucket, 0) for h in first):6.0f} -> {sum(h.get(bucket, 0) for h in last):6.0f}")
-    _plots(table, result, out)
+    _plots(table, train_table, result, out)
     final = steps[-1]
     delta = 100.0 * (table["gigpo"][final][0] - table["grpo"][final][0])
-    (out / "summary.json").write_text(json.dumps({"steps": steps, "table": {m: {str(s): v for s, v in t.items()}
-                                                  for m, t in table.items()}, "gigpo_minus_grpo": delta}, indent=1))
+    (out / "summary.json").write_text(json.dumps({"steps": steps, "table": _jsonable(table),
+                                                  "train_table": _jsonable(train_table), "gigpo_minus_grpo": delta},
+                                                 indent=1))
     return delta
 
 
-def _plots(table: dict, result: dict, out: Path) -> None:
+def _jsonable(table: dict) -> dict:
+    return {method: {str(step): value for step, value in points.items()} for method, points in table.items()}
+
+
+def _plots(table: dict, train_table: dict, result: dict, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for method, points in table.items():
-        xs = list(points)
-        mean = np.array([points[s][0] for s in xs])
-        std = np.array([points[s][1] for s in xs])
-        ax.plot(xs, mean, marker="o", label=method)
-        ax.fill_between(xs, mean - std, mean + std, alpha=0.15)
-    ax.set(xlabel="RL iteration", ylabel=result["measure"], title=f"{result['env']}: GiGPO vs GRPO")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, tab, ylabel in ((axes[0], table, result["measure"]), (axes[1], train_table, "training success")):
+        for method, points in tab.items():
+            xs = list(points)
+            mean = np.array([points[s][0] for s in xs])
+            std = np.array([points[s][1] for s in xs])
+            ax.plot(xs, mean, marker="o", label=method)
+            ax.fill_between(xs, mean - std, mean + std, alpha=0.15)
+        ax.set(xlabel="RL iteration", ylabel=ylabel, title=f"{result['env']}: GiGPO vs GRPO, {ylabel}")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
     fig.tight_layout()
     fig.savefig(out / "learning.png", dpi=120)
     plt.close(fig)

@@ -1,11 +1,16 @@
 """Run a function in several torch.distributed processes from a pytest test.
 
-``spawn(fn, world_size, *args)`` starts ``world_size`` fresh interpreters (``spawn`` start method), sets
+``spawn(fn, world_size, *args)`` starts ``world_size`` processes, gives each the caller's environment plus
 ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (a free port) and
-``OMP_NUM_THREADS=1`` in each, calls ``fn(rank, world_size, *args)`` and returns the per-rank return values
+``OMP_NUM_THREADS=1``, calls ``fn(rank, world_size, *args)`` and returns the per-rank return values
 (index = rank). ``fn`` must be a module-level function and its return value picklable. Any exception, a
 non-zero exit or the timeout fails the test with every rank's traceback. Tests using it are marked
 ``multiprocess``.
+
+Without CUDA the processes are forks of a ``forkserver`` that imported torch, megatron-core, transformers and
+the actor once per test session (:data:`PRELOAD`); a fresh interpreter spends ~8-10 s of CPU on those imports
+(2-core machine), for every rank of every call. With CUDA they are fresh interpreters (``spawn``): an import
+may query the driver, and a process forked after that cannot use CUDA.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from typing import Any, Callable
 
 __all__ = ["spawn", "free_port", "MultiprocessFailure"]
 
+# What every rank imports anyway; the fork server imports it once (no import-time side effects: no threads).
+PRELOAD = ["torch", "torch.distributed", "megatron.core", "transformers", "megatron_gigpo.actor.policy"]
+
 _GRACE_AFTER_FAILURE_S = 5.0
 
 
@@ -35,7 +43,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
+def _context():
+    import torch
+
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: at the session's first spawn
+    return ctx
+
+
+def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results: Any,
+           environ: dict[str, str]) -> None:
+    os.environ.clear()  # a fork server's child has the server's environment, not the caller's
+    os.environ.update(environ)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -73,14 +94,14 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0) -> 
             reporting, or the ranks did not all finish within ``timeout`` seconds.
     """
     __tracebackhide__ = True  # show the ranks' tracebacks, not this loop
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     # Not daemonic: ranks may start processes of their own (dist_checkpointing's torch_dist writer starts a
     # multiprocessing manager and writer processes, which daemonic processes may not have). The ``finally``
     # below kills any rank still alive, so none outlives the call.
     procs = [
-        ctx.Process(target=_child, args=(fn, rank, world_size, port, args, results), daemon=False)
+        ctx.Process(target=_child, args=(fn, rank, world_size, port, args, results, dict(os.environ)), daemon=False)
         for rank in range(world_size)
     ]
     for proc in procs:

@@ -71,13 +71,14 @@ def _import_gym() -> None:
     """Import gym (which gym-sokoban needs) on first use, so that importing this module does not.
 
     gym prints a notice about its maintenance to stderr on import (from ``gym_notices``); it goes to this
-    module's logger at INFO (the run's log files) instead of the terminal.
+    module's logger at DEBUG instead: the driver's terminal shows the package's INFO lines (the demonstrations
+    stage imports gym there), and a pinned library's deprecation notice is not news for a run.
     """
     notice = io.StringIO()
     with contextlib.redirect_stderr(notice):
         import gym  # noqa: F401 - imported for its side effect, once
     if notice.getvalue().strip():
-        log.info("gym on import: %s", notice.getvalue().strip())
+        log.debug("gym on import: %s", notice.getvalue().strip())
 
 
 @functools.lru_cache(maxsize=1)

@@ -7,7 +7,7 @@ from cli_runs import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 COLD_START_RECIPE = ROOT / "recipes/cpu/sokoban.yaml"
-# The README recipe's cold start, shrunk: 400 demonstration episodes (3 epochs) instead of 8,000 (1 epoch).
+# The README recipe's cold start, shrunk: 400 demonstration episodes (3 epochs) instead of 5,000 (1 epoch).
 COLD_START_OVERRIDES = ["sft.demos.num_episodes=400", "sft.epochs=3", "logging.progress_bars=false",
                         "checkpoint.save_every=0"]
 
