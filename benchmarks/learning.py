@@ -69,7 +69,7 @@ def _records(run_dir: Path) -> list[dict]:
     return read_metrics(run_dir)
 
 
-def _val_curve(records: list[dict], key: str) -> dict[int, float]:
+def _curve(records: list[dict], key: str) -> dict[int, float]:
     return {int(r["step"]): float(r[key]) for r in records if key in r}
 
 
@@ -101,9 +101,9 @@ def run(args: argparse.Namespace) -> dict:
                      f"trainer.seed={seed}", f"env.seed={seed}", "trainer.val_before_train=true",
                      "checkpoint.save_every=0", *overrides)
             records = _records(out / name)
-            curves[method].append(_val_curve(records, val_key))
+            curves[method].append(_curve(records, val_key))
             train_records = [r for r in records if r["step"] > 0]
-            train_curves[method].append(_val_curve(train_records, train_key))
+            train_curves[method].append(_curve(train_records, train_key))
             hists[method].append((_hist(train_records[0]), _hist(train_records[-1])))
     return {"env": env, "curves": curves, "train_curves": train_curves, "hists": hists, "out": str(out),
             "measure": _measure(cfg.rollout.val_temperature)}

@@ -189,6 +189,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def console_logging() -> None:
+    """The package's own progress lines (resume point, skipped iterations, prompt overflows): its INFO records on
+    stderr, prefixed ``megatron-gigpo:``. Installed once per process."""
+    package_log = logging.getLogger("megatron_gigpo")
+    if not package_log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("megatron-gigpo: %(message)s"))
+        package_log.addHandler(handler)
+        package_log.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     from megatron_gigpo.config import ConfigError
     from megatron_gigpo.preflight import PreflightError
@@ -208,13 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    # The package's own progress lines (resume point, skipped iterations, prompt overflows) on stderr.
-    package_log = logging.getLogger("megatron_gigpo")
-    if not package_log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("megatron-gigpo: %(message)s"))
-        package_log.addHandler(handler)
-        package_log.setLevel(logging.INFO)
+    console_logging()
     try:
         return args.func(args)
     except ConfigError as exc:

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 __all__ = ["spawn", "free_port", "MultiprocessFailure"]
 
-# What every rank imports anyway; the fork server imports it once (no import-time side effects: no threads).
+# What every rank imports anyway; the fork server imports it once, before it forks any rank.
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "transformers", "megatron_gigpo.actor.policy"]
 
 _GRACE_AFTER_FAILURE_S = 5.0

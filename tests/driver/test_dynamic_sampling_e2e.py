@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from cli_runs import run_cli
+from test_train_e2e import ONE_RANK
 
 from megatron_gigpo.actor.checkpoint import complete_checkpoints
 from megatron_gigpo.metrics import read_metrics
@@ -33,8 +34,7 @@ def test_round_limit_is_honoured_when_no_group_has_signal(tmp_path):
     proc = run_cli("train", str(ROOT / "recipes/smoke/cpu.yaml"), f"model.path={model}",
                    f"trainer.output_dir={tmp_path}", "trainer.experiment_name=limit", "trainer.total_iterations=1",
                    "checkpoint.save_every=1", "rollout.response_length=16", "env.max_steps=2",
-                   f"{DYN}.enabled=true", f"{DYN}.max_rounds=2", "logging.progress_bars=false",
-                   "parallel.pipeline_model_parallel_size=1", "trainer.devices_per_node=1")  # one rank: no update
+                   f"{DYN}.enabled=true", f"{DYN}.max_rounds=2", "logging.progress_bars=false", *ONE_RANK)
     (rec,) = read_metrics(tmp_path / "limit")
     assert rec["dynamic_sampling/rounds"] == 2 and rec["dynamic_sampling/round_limit_hit"] == 1
     assert rec["dynamic_sampling/filtered_group_frac"] == 1 and rec["dynamic_sampling/trained_rows"] == 0

@@ -16,7 +16,8 @@ from megatron_gigpo.metrics import read_metrics
 pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-# The tests of one skipped update need no PP2 (the other test has it): one rank starts faster.
+# Runs that skip their update need no PP2 (the resume test has it): one rank starts faster. Also used by
+# test_dynamic_sampling_e2e.py.
 ONE_RANK = ("parallel.pipeline_model_parallel_size=1", "trainer.devices_per_node=1")
 
 

@@ -206,9 +206,7 @@ def test_gym_import_notice_stays_off_the_terminal():
     import subprocess
     import sys
 
-    code = ("import logging\n"
-            "logging.getLogger('megatron_gigpo').addHandler(logging.StreamHandler())\n"
-            "logging.getLogger('megatron_gigpo').setLevel(logging.INFO)\n"
+    code = ("from megatron_gigpo.cli import console_logging\nconsole_logging()\n"
             "from megatron_gigpo.envs.sokoban import generate_room, _grid_sokoban_class\n"
             "generate_room(1, (6, 6), 1, 20, 5)\n_grid_sokoban_class()\nimport gym\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
