@@ -30,8 +30,8 @@ Figure 7 view), writes ``<out>/learning.png`` (both curves) and ``<out>/step_gro
 ``<out>/summary.json``, and ends with ``gigpo_minus_grpo=<points>``: the final held-out success of GiGPO minus
 that of GRPO, in percentage points (mean over seeds). It is a benchmark, not a test. Measured on a 2-core
 machine (2026-12-05, a slow day: ~90 s per iteration of the README recipe, ~55 s per 512-room validation):
-``--methods gigpo,grpo --seeds 3 --iterations 5`` took 62 minutes for its 6 runs after a 13-minute cold start;
-all four issue methods at 3 seeds and 5 iterations are 12 such runs. An existing ``--out`` folder's cold start
+the four methods at 3 seeds and 5 iterations took ~110 minutes for their 12 runs (6-11 minutes each) after a
+13-minute cold start; on a normal day of that machine (~45 s per iteration) about 70 minutes in all. An existing ``--out`` folder's cold start
 and finished runs are reused, so change ``--out`` when the recipe or the iteration count changes.
 """
 
