@@ -43,8 +43,10 @@ class ActorWorker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def init(self, master_addr: str, master_port: int, cfg: ActorConfig) -> None:
-        """Join the process group and build the policy (and reference) model from ``cfg.model_path``."""
+    def init(self, master: tuple[str, int], cfg: ActorConfig) -> None:
+        """Join the process group at ``master`` (rank 0's :meth:`address`) and build the policy (and reference)
+        model from ``cfg.model_path``."""
+        master_addr, master_port = master
         os.environ.update(
             RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
             MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
@@ -76,29 +78,45 @@ class ActorGroup:
         start_timeout_s: deadline of the start (placement of the rank actors, process group, model build and
             weight load), seconds.
         call_timeout_s: default deadline of one call on the ranks (log-probs, update, checkpoint), seconds.
+        wait: wait for the start here (:meth:`wait_started`); False returns at once, so the caller can start
+            other work (the CPU path's vLLM engines) while the ranks build their models, then call
+            :meth:`wait_started` before any other call.
 
     Raises:
-        megatron_gigpo.deadlines.DeadlineError: a rank did not start in time (the ranks are stopped).
+        megatron_gigpo.deadlines.DeadlineError: (``wait``) a rank did not start in time (the ranks are stopped).
     """
 
     def __init__(self, cfg: ActorConfig, rank_options: Sequence[dict[str, Any]], *, env_vars: dict[str, str],
-                 start_timeout_s: float = 1800.0, call_timeout_s: float = 10800.0):
+                 start_timeout_s: float = 1800.0, call_timeout_s: float = 10800.0, wait: bool = True):
         remote_cls = ray.remote(ActorWorker)
         self.call_timeout_s = call_timeout_s
         world_size = len(rank_options)
         self.workers = [remote_cls.options(**options).remote(i, world_size, env_vars)
                         for i, options in enumerate(rank_options)]
-        labels = [f"rank {i}" for i in range(world_size)]
+        self._start_deadline = time.monotonic() + start_timeout_s
+        master = self.workers[0].address.remote()  # Ray resolves it before any rank's init runs
+        self._starting = [w.init.remote(master, cfg) for w in self.workers]
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Wait until every rank has started (the constructor launched the start), at most until the start
+        deadline (``start_timeout_s`` after construction); at once when they already have.
+
+        Raises:
+            megatron_gigpo.deadlines.DeadlineError: a rank did not start in time (the ranks are stopped).
+            ray.exceptions.RayError: a rank failed to start (the ranks are stopped).
+        """
+        if not self._starting:
+            return
         try:
-            deadline = time.monotonic() + start_timeout_s
-            addr, port = get_with_deadline(self.workers[0].address.remote(), start_timeout_s,
-                                           "actor rank 0 start (MASTER_ADDR)", labels=labels[:1])
-            get_with_deadline([w.init.remote(addr, port, cfg) for w in self.workers],
-                              max(deadline - time.monotonic(), 1e-3),
-                              "actor ranks start (process group, model build, weight load)", labels=labels)
+            get_with_deadline(self._starting, max(self._start_deadline - time.monotonic(), 1e-3),
+                              "actor ranks start (placement, process group, model build, weight load)",
+                              labels=[f"rank {i}" for i in range(len(self._starting))])
         except BaseException:
             self.shutdown()
             raise
+        self._starting = []
 
     def _all(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         refs = [w.call.remote(method, *args, **kwargs) for w in self.workers]

@@ -62,7 +62,7 @@ def _gib(text: str) -> float:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from megatron_gigpo.actor.checkpoint import latest_checkpoint
+    from megatron_gigpo.actor.checkpoint_layout import latest_checkpoint
     from megatron_gigpo.config import load_config
     from megatron_gigpo.driver import train
     from megatron_gigpo.sft.cold_start import cold_start
@@ -90,7 +90,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from megatron_gigpo.actor.checkpoint import resolve_checkpoint
+    from megatron_gigpo.actor.checkpoint_layout import resolve_checkpoint
     from megatron_gigpo.config import load_config
     from megatron_gigpo.driver import evaluate
     from megatron_gigpo.sft.cold_start import from_cold_start

@@ -1,11 +1,7 @@
 """Actor checkpoints with Megatron ``dist_checkpointing``: model, optimizer, LR schedule, RNG and trainer state.
 
-Layout under a checkpoint root::
-
-    root/iter_00000010/        complete checkpoint of iteration 10 (dist_checkpointing files + meta.json)
-    root/iter_00000020.tmp/    being written (or left by a crash): never loaded, removed on the next save
-
-A checkpoint is written into ``<name>.tmp``; after every rank has finished, global rank 0 writes
+The layout under a checkpoint root and the helpers that find checkpoints are in
+:mod:`megatron_gigpo.actor.checkpoint_layout` (torch-free, for the driver). A checkpoint is written into ``<name>.tmp``; after every rank has finished, global rank 0 writes
 ``meta.json`` (iteration, parallel layout) and renames the folder to its final name. A folder is complete when
 its name has no suffix and it holds ``meta.json``. Only the ``keep_last`` newest complete checkpoints are kept.
 The root must be on a file system every rank sees (as Megatron-LM requires).
@@ -21,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -33,17 +28,20 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
 
+from megatron_gigpo.actor.checkpoint_layout import (
+    META_FILE,
+    checkpoint_name,
+    complete_checkpoints,
+    fsync_dir,
+    resolve_checkpoint,
+    write_json_atomic,
+)
+
 __all__ = [
-    "checkpoint_name",
-    "complete_checkpoints",
-    "latest_checkpoint",
     "save_actor_checkpoint",
     "load_actor_checkpoint",
     "CheckpointState",
 ]
-
-_NAME = re.compile(r"^iter_(\d{8})$")
-_META = "meta.json"
 
 
 def _optimizer_metadata() -> dict[str, Any]:
@@ -58,59 +56,6 @@ def _optimizer_metadata() -> dict[str, Any]:
         "distrib_optim_sharding_type": "fully_reshardable",
         "distrib_optim_fully_reshardable_mem_efficient": not torch.cuda.is_available(),
     }
-
-
-def checkpoint_name(iteration: int) -> str:
-    """Folder name of the checkpoint of ``iteration`` (>= 0), e.g. ``iter_00000010``."""
-    if iteration < 0:
-        raise ValueError(f"iteration={iteration} must be >= 0")
-    return f"iter_{iteration:08d}"
-
-
-def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """``(iteration, folder)`` of the complete checkpoints under ``root``, oldest first ([] if none)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = _NAME.match(child.name)
-        if match and child.is_dir() and (child / _META).is_file():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
-def latest_checkpoint(root: str | Path) -> tuple[int, Path] | None:
-    """The newest complete checkpoint under ``root``, or None."""
-    found = complete_checkpoints(root)
-    return found[-1] if found else None
-
-
-def resolve_checkpoint(path: str | Path) -> tuple[int, Path] | None:
-    """``(iteration, folder)`` of ``path`` itself when it is a complete checkpoint (``iter_N`` with its
-    ``meta.json``), else of the newest complete checkpoint under it; None when there is neither."""
-    path = Path(path)
-    match = _NAME.match(path.name)
-    if match and path.is_dir() and (path / _META).is_file():
-        return int(match.group(1)), path
-    return latest_checkpoint(path)
-
-
-def _write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def layout() -> dict[str, int]:
@@ -252,11 +197,11 @@ def save_actor_checkpoint(
     if rank0:
         if model_sidecar is not None:
             model_sidecar(tmp)
-        _write_json_atomic(tmp / _META, {"iteration": iteration, "layout": layout()})
+        write_json_atomic(tmp / META_FILE, {"iteration": iteration, "layout": layout()})
         if final.exists():  # re-saving an iteration (e.g. after a resume): the new copy wins
             _remove(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         for _, old in complete_checkpoints(root)[:-keep_last]:
             _remove(old)
         for stale in root.glob("iter_*.tmp"):  # left by saves that crashed
@@ -268,7 +213,7 @@ def save_actor_checkpoint(
 def load_actor_checkpoint(root: str | Path, state: CheckpointState, *,
                           check_folder: Callable[[Path], None] | None = None) -> dict[str, Any] | None:
     """Load ``root`` (one checkpoint folder, or the newest complete one under it, see
-    :func:`resolve_checkpoint`) into ``state``; collective over all ranks.
+    :func:`~megatron_gigpo.actor.checkpoint_layout.resolve_checkpoint`) into ``state``; collective over all ranks.
 
     Model weights, optimizer state (including each parameter's Adam ``step``, see
     :func:`_load_optimizer_state`) and the LR schedule are restored at any layout; RNG states only when
@@ -289,7 +234,7 @@ def load_actor_checkpoint(root: str | Path, state: CheckpointState, *,
     iteration, folder = box[0]
     if check_folder is not None:
         check_folder(Path(folder))
-    meta = json.loads((Path(folder) / _META).read_text())
+    meta = json.loads((Path(folder) / META_FILE).read_text())
     same_layout = meta["layout"] == layout()
     _allocate_distributed_optimizer_state(state.optimizer)
     sharded = state.sharded_state_dict(is_loading=True, with_rng=same_layout)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -482,20 +483,20 @@ class RolloutEngineGroup:
         timeouts: the recipe's ``trainer.timeouts``: ``engine_start_s`` (placement, weight load, KV-cache
             allocation), ``generate_s`` (one :meth:`generate` / :meth:`compute_log_probs` batch) and
             ``engine_call_s`` (sleep, wake-up, version and tokenizer queries), seconds.
+        wait: wait for the start here (:meth:`wait_started`); False returns once the engine actors are
+            launched, so the caller can do other work while they start, then call :meth:`wait_started`.
         **engine_kwargs: the other :class:`EngineConfig` fields (seed, num_cpus, max_num_seqs, ...).
 
     Raises:
         ValueError: a ``ray_options`` list of another length than ``rollout.num_engines``, or a bad
             :class:`EngineConfig` field.
-        megatron_gigpo.deadlines.DeadlineError: an engine did not start in time (the message names it, its
-            node, or that no node had its resources); every engine is stopped.
+        megatron_gigpo.deadlines.DeadlineError: (``wait``) an engine did not start in time (the message names
+            it, its node, or that no node had its resources); every engine is stopped.
     """
 
     def __init__(self, model_path: str, rollout: RolloutConfig, *, dtype: str,
                  ray_options: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
-                 timeouts: TimeoutsConfig | None = None, **engine_kwargs: Any):
-        import ray
-
+                 timeouts: TimeoutsConfig | None = None, wait: bool = True, **engine_kwargs: Any):
         timeouts = timeouts or TimeoutsConfig()
         self.config = EngineConfig(model_path=str(model_path), dtype=dtype, rollout=rollout, **engine_kwargs)
         num_engines = rollout.num_engines
@@ -504,20 +505,37 @@ class RolloutEngineGroup:
             raise ValueError(f"ray_options has {len(per_engine)} entries for num_engines={num_engines}")
         self.generate_timeout_s, self.call_timeout_s = timeouts.generate_s, timeouts.engine_call_s
         self.engines = [RolloutEngine.launch(self.config, **options) for options in per_engine]
+        self._ray_options = per_engine
+        self._start_deadline = time.monotonic() + timeouts.engine_start_s
+        self._starting = [e.ready.remote() for e in self.engines]
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Wait until every engine has started (the constructor launched them), at most until the start deadline
+        (``engine_start_s`` after construction); at once when they already have.
+
+        Raises:
+            megatron_gigpo.deadlines.DeadlineError: an engine did not start in time (the message names it, its
+                node, or that no node had its resources); every engine is stopped.
+            ray.exceptions.RayError: an engine failed to start; every engine is stopped.
+        """
+        import ray
+
+        if not self._starting:
+            return
 
         def resources() -> str:
-            return (f"engine .options(): {per_engine}, num_cpus={self.config.num_cpus}; cluster resources "
+            return (f"engine .options(): {self._ray_options}, num_cpus={self.config.num_cpus}; cluster resources "
                     f"available: {ray.available_resources()}")
 
-        refs = [e.ready.remote() for e in self.engines]
         try:
-            get_with_deadline(refs, timeouts.engine_start_s, "vLLM rollout engine start", labels=self._labels(),
-                              context=resources)
+            get_with_deadline(self._starting, max(self._start_deadline - time.monotonic(), 1e-3),
+                              "vLLM rollout engine start", labels=self._labels(), context=resources)
         except BaseException:
-            # Only engines that started have vLLM processes to stop; an unplaced or hung one is killed at once.
-            ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
-            self.shutdown(started=[ref in ready for ref in refs])
+            self.shutdown()
             raise
+        self._starting = []
 
     def _labels(self, suffix: str = "") -> list[str]:
         return [f"engine {k}{suffix}" for k in range(len(self.engines))]
@@ -571,11 +589,16 @@ class RolloutEngineGroup:
     def wake_up(self) -> None:
         self._get([e.wake_up.remote() for e in self.engines], "wake_up of the rollout engines", self.call_timeout_s)
 
-    def shutdown(self, started: Sequence[bool] | None = None) -> None:
-        """Stop vLLM in every engine (or in those flagged in ``started``), then kill the engine actors."""
+    def shutdown(self) -> None:
+        """Stop vLLM in every engine that has started, then kill the engine actors (one still starting, unplaced
+        or hung is killed at once)."""
         import ray
 
-        flags = list(started) if started is not None else [True] * len(self.engines)
+        flags = [True] * len(self.engines)
+        if self._starting:
+            ready = set(ray.wait(self._starting, num_returns=len(self._starting), timeout=0)[0])
+            flags = [ref in ready for ref in self._starting]
+            self._starting = []
         refs = [e.shutdown.remote() for e, up in zip(self.engines, flags) if up]
         try:
             ray.get(refs, timeout=60)

@@ -64,7 +64,7 @@ def _train_and_save(rank: int, world_size: int, model_dir, root) -> dict:
 
 def _resume(rank: int, world_size: int, model_dir, root) -> dict:
     from megatron_gigpo.actor import distributed
-    from megatron_gigpo.actor.checkpoint import complete_checkpoints
+    from megatron_gigpo.actor.checkpoint_layout import complete_checkpoints
 
     start_rank()
     batch, results = make_batch(), {}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_gigpo.actor.checkpoint import checkpoint_name, complete_checkpoints, latest_checkpoint
+from megatron_gigpo.actor.checkpoint_layout import checkpoint_name, complete_checkpoints, latest_checkpoint
 from megatron_gigpo.actor.config import ActorConfig
 from megatron_gigpo.actor.logprob import vocab_parallel_log_probs
 from megatron_gigpo.algo.losses import entropy_from_logits

@@ -88,7 +88,7 @@ def _fake_checkpoint(root: Path, iteration: int) -> Path:
 
 
 def test_checkpoint_folder_or_root_resolves(tmp_path):
-    from megatron_gigpo.actor.checkpoint import resolve_checkpoint
+    from megatron_gigpo.actor.checkpoint_layout import resolve_checkpoint
 
     root = tmp_path / "checkpoints"
     first, second = _fake_checkpoint(root, 1), _fake_checkpoint(root, 2)

@@ -17,7 +17,7 @@ import pytest
 from cli_runs import run_cli
 from test_train_e2e import ONE_RANK
 
-from megatron_gigpo.actor.checkpoint import complete_checkpoints
+from megatron_gigpo.actor.checkpoint_layout import complete_checkpoints
 from megatron_gigpo.metrics import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow]

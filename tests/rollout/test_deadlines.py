@@ -4,6 +4,8 @@ did not answer, where, and after how long.
 - an engine that can never start (it asks for a GPU this Ray cluster does not have, as a TP>1 engine outside the
   actor's placement group did on the 7B recipes) is a clear error from ``RolloutEngineGroup`` at its deadline;
 - the actor ranks' placement group that cannot be reserved, likewise;
+- actor ranks started without waiting (``ActorGroup(wait=False)``, what the CPU run does while its engines start)
+  raise a rank's start failure from ``wait_started`` and are stopped;
 - a weight sync into an engine that stops answering fails at the sync's deadline, naming the engine;
 - ``get_with_deadline`` names a placed actor's node and process, and raises a remote failure at once instead of
   waiting for a slower call.
@@ -108,6 +110,21 @@ def test_placement_group_that_cannot_be_reserved_is_named(ray_session):
 
     assert {pg["state"] for pg in placement_group_table().values()} <= {"REMOVED"}  # released again
     assert ray.is_initialized()
+
+
+def test_actor_ranks_started_without_waiting_raise_a_failed_start_and_stop(ray_session, tmp_path):
+    from megatron_gigpo.actor.config import ActorConfig
+    from megatron_gigpo.actor_group import ActorGroup
+
+    ray = ray_session
+    missing = tmp_path / "no-model"  # no config.json: every rank's model build fails
+    cfg = ActorConfig(model_path=str(missing), params_dtype="float32", temperature=1.0, lr_decay_steps=1)
+    group = ActorGroup(cfg, [{"num_cpus": 0.1}], env_vars={}, start_timeout_s=300, wait=False)
+    with pytest.raises(ray.exceptions.RayTaskError) as info:
+        group.wait_started()
+    assert "no-model" in str(info.value)
+    time.sleep(1)
+    assert set(_actor_states(ray, "ActorWorker")) <= {"DEAD"}  # the ranks are stopped
 
 
 def test_weight_sync_into_an_engine_that_stops_answering_fails_at_its_deadline(ray_session):

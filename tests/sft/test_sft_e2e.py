@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_gigpo.actor.checkpoint import complete_checkpoints
+from megatron_gigpo.actor.checkpoint_layout import complete_checkpoints
 from megatron_gigpo.config import RolloutConfig, load_config
 from megatron_gigpo.metrics import read_metrics
 from megatron_gigpo.sft.trainer import SFTTrainer, sft_dir

@@ -1,0 +1,87 @@
+"""Where actor checkpoints live on disk: folder names, completeness and atomic small writes (no torch).
+
+Layout under a checkpoint root (written by :mod:`megatron_gigpo.actor.checkpoint`)::
+
+    root/iter_00000010/        complete checkpoint of iteration 10 (dist_checkpointing files + meta.json)
+    root/iter_00000020.tmp/    being written (or left by a crash): never loaded, removed on the next save
+
+A folder is complete when its name has no suffix and it holds ``meta.json``. These helpers import neither torch
+nor megatron-core, so the driver process (``megatron-gigpo train``/``eval``, which only finds checkpoints) starts
+without them; the ranks save and load through :mod:`megatron_gigpo.actor.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+__all__ = [
+    "META_FILE",
+    "checkpoint_name",
+    "complete_checkpoints",
+    "latest_checkpoint",
+    "resolve_checkpoint",
+    "write_json_atomic",
+    "fsync_dir",
+]
+
+_NAME = re.compile(r"^iter_(\d{8})$")
+META_FILE = "meta.json"
+
+
+def checkpoint_name(iteration: int) -> str:
+    """Folder name of the checkpoint of ``iteration`` (>= 0), e.g. ``iter_00000010``."""
+    if iteration < 0:
+        raise ValueError(f"iteration={iteration} must be >= 0")
+    return f"iter_{iteration:08d}"
+
+
+def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """``(iteration, folder)`` of the complete checkpoints under ``root``, oldest first ([] if none)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _NAME.match(child.name)
+        if match and child.is_dir() and (child / META_FILE).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | Path) -> tuple[int, Path] | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[int, Path] | None:
+    """``(iteration, folder)`` of ``path`` itself when it is a complete checkpoint (``iter_N`` with its
+    ``meta.json``), else of the newest complete checkpoint under it; None when there is neither."""
+    path = Path(path)
+    match = _NAME.match(path.name)
+    if match and path.is_dir() and (path / META_FILE).is_file():
+        return int(match.group(1)), path
+    return latest_checkpoint(path)
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    """Write ``payload`` as JSON to ``path`` through ``<path>.tmp``, fsync and rename: readers see the old file
+    or the whole new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync the directory ``path``, so that renames inside it survive a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
