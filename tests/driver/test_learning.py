@@ -29,9 +29,8 @@ advantage sign flipped (``-adv.advantage`` in      -0.13, -0.15, -0.19,   2e-5  
 driver.py's update call)                           pos < neg: **FAILS**
 advantages on the wrong rows (``row_adv.roll(1)``  0.14, 0.10, 0.09,      2e-5                0.418 -> 0.395
 in each micro-batch of actor/update.py)            mean 0.112: **FAILS**
-weight sync skipped (driver.py), NOT re-run:       0.20, 0.17, 0.23       5.1 and 6.2:        0.445 -> 0.445
-measured 2026-12-04 with beta2 0.999 and                                  **FAILS**
-mini-batches of 512
+weight sync skipped (``pass`` for driver.py's      0.19, 0.21, 0.19       0.0, 6.0, 7.2:      0.418 -> 0.418
+``run.sync_weights`` call; 2026-12-06)                                    **FAILS**
 =================================================  =====================  ==================  =================
 
 With this recipe the wrong-rows run passed the earlier bounds (every iteration above 0.05, mean above 0.1; with
