@@ -54,7 +54,9 @@ def init_ray(cfg: Config) -> dict[str, float]:
             runtime_env["env_vars"] |= env_vars
             # No idle workers prestarted for the driver: every process of a run is an actor with the run's
             # runtime env, which those workers lack, so they were never used (measured: init 1.4 s faster).
-            ray.init(num_cpus=max(os.cpu_count() or 1, slots), include_dashboard=False,
+            # address="local": a new instance even where `ray start` left one on this machine (a bare
+            # ray.init() would attach to the latest such cluster, /tmp/ray/ray_current_cluster).
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, slots), include_dashboard=False,
                      runtime_env=runtime_env, logging_level=logging.WARNING,
                      _system_config={"prestart_worker_first_driver": False})
     return ray.cluster_resources()

@@ -14,7 +14,19 @@ import torch
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 
+# Test files that share a session fixture: under pytest-xdist they run on one worker, so it is built once
+# (``small_cold_start``: ~2 minutes).
+SHARED_FIXTURE_GROUPS = {"tests/driver/test_learning.py": "small_cold_start",
+                         "tests/driver/test_dynamic_sampling_e2e.py": "small_cold_start"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (``--dist loadgroup``)
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        # One xdist group per test file (module- and session-scoped fixtures are built once per worker), unless
+        # the file shares a session fixture with others. Without xdist the marker does nothing.
+        module = item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(SHARED_FIXTURE_GROUPS.get(module, module)))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

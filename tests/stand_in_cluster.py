@@ -64,7 +64,10 @@ def _node_args(i: int, port: int, root: Path, cpus: int, gpus: int) -> list[str]
     args = ["ray", "start", "--block", f"--num-cpus={cpus}", f"--num-gpus={gpus}",
             f"--resources={json.dumps({f'stand_in_node_{i}': 1})}", f"--temp-dir={root}/n{i}", "--disable-usage-stats"]
     if i == 0:
-        return args + ["--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--include-dashboard=false"]
+        # A free Ray Client port too (`ray start --head` takes 10001 by default): tests in other pytest-xdist
+        # workers may run a head at the same time (another stand-in cluster, a Slurm job's).
+        return args + ["--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--include-dashboard=false",
+                       f"--ray-client-server-port={_free_port()}"]
     return args + [f"--address=127.0.0.1:{port}", f"--node-ip-address=127.0.0.{i + 1}"]
 
 

@@ -2,7 +2,8 @@
 with its own HOME). Prints one line ``LOCAL_RAY {json}``: per session the auth mode and token file that a Ray
 worker saw, plus the exit status of a client that tried the running local Ray without a token.
 
-    python3 tests/driver/local_ray_runs.py runs            # a fixture's session, then two runs (init_ray)
+    python3 tests/driver/local_ray_runs.py runs            # a fixture's session, then two runs (init_ray), all
+                                                           # beside a stale `ray start` address file
     python3 tests/driver/local_ray_runs.py after-default   # Ray's own default ray.init first, then a run
 """
 
@@ -50,8 +51,15 @@ def main(mode: str) -> None:
     cfg = load_config(ROOT / "recipes/smoke/cpu.yaml")
     report: dict = {"sessions": []}
     if mode == "runs":
+        # What `ray start` leaves behind (here: a cluster that is gone): a bare ray.init() would attach to it.
+        from ray._common.utils import get_ray_address_file
+
+        stale = Path(get_ray_address_file(None))  # under RAY_TMPDIR, which the caller sets
+        stale.parent.mkdir(parents=True, exist_ok=True)
+        stale.write_text("127.0.0.1:9")
+        report["stale_address_file"] = str(stale)
         with local_ray_env():  # as a test fixture does
-            ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+            ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
             report["sessions"].append(session("fixture"))
         init_ray(cfg)
         report["client"] = tokenless_client()

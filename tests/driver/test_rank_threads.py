@@ -19,7 +19,7 @@ def test_rank_worker_uses_the_driver_thread_count():
     from megatron_gigpo.ray_setup import local_ray_env
 
     with local_ray_env() as env:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
         try:
             worker = ray.remote(ActorWorker).options(num_cpus=1).remote(0, 1, {"OMP_NUM_THREADS": "2"})
             threads = ray.get(worker.__ray_call__.remote(lambda self: __import__("torch").get_num_threads()),

@@ -27,7 +27,7 @@ def ray_local() -> Iterator[None]:
     pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
     with pytest.MonkeyPatch.context() as mp, local_ray_env():
         mp.setenv("PYTHONPATH", pythonpath)
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
         try:
             yield
         finally:

@@ -21,7 +21,7 @@ def ray_session():
 
     with local_ray_env() as env:
         path = os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": path, **env}})
         try:
             yield ray
