@@ -25,9 +25,11 @@ bash scripts/es_up.sh
 bash scripts/slurm_up.sh
 
 set +e
-# Two pytest-xdist workers, one test file at a time each (tests/conftest.py): the 2-core machine is idle a
-# quarter of the time in one worker (process starts, sleeps, I/O). PYTEST_WORKERS=0 runs in this process.
-python3 -m pytest -m "not gpu" -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" --dist loadgroup --durations=25 "$@" tests
+# Two pytest-xdist workers, one test file at a time each, files with slow tests first (tests/conftest.py): in
+# one process the 2-core machine is idle a quarter of the time (process starts, sleeps, I/O).
+# PYTEST_WORKERS=0 runs in this process.
+python3 -m pytest -m "not gpu" -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" --dist loadgroup \
+  --no-loadscope-reorder --durations=25 "$@" tests
 rc=$?
 set -e
 # pytest exits 5 when nothing was collected: that is a failure of the suite, not a pass.

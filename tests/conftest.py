@@ -20,13 +20,21 @@ SHARED_FIXTURE_GROUPS = {"tests/driver/test_learning.py": "small_cold_start",
                          "tests/driver/test_dynamic_sampling_e2e.py": "small_cold_start"}
 
 
+def _xdist_group(item: pytest.Item) -> str:
+    module = item.nodeid.split("::", 1)[0]
+    return SHARED_FIXTURE_GROUPS.get(module, module)
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (``--dist loadgroup``)
 def pytest_collection_modifyitems(config, items):
+    # One xdist group per test file (module- and session-scoped fixtures are built once per worker), unless the
+    # file shares a session fixture with others; groups with a `slow` test first (stable otherwise), so that the
+    # two workers do not end on one long file each while the other waits (with --no-loadscope-reorder, xdist
+    # hands out groups in this order). Without xdist the marker does nothing.
+    slow_groups = {_xdist_group(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: _xdist_group(item) not in slow_groups)
     for item in items:
-        # One xdist group per test file (module- and session-scoped fixtures are built once per worker), unless
-        # the file shares a session fixture with others. Without xdist the marker does nothing.
-        module = item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(SHARED_FIXTURE_GROUPS.get(module, module)))
+        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
