@@ -14,21 +14,20 @@ import torch
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 
-# Test files that share a session fixture: under pytest-xdist they run on one worker, so it is built once
-# (``small_cold_start``: ~2 minutes).
-SHARED_FIXTURE_GROUPS = {"tests/driver/test_learning.py": "small_cold_start",
-                         "tests/driver/test_dynamic_sampling_e2e.py": "small_cold_start"}
+# Session fixtures that take minutes (``small_cold_start`` in tests/driver/conftest.py: ~2): under pytest-xdist
+# every test that uses one runs on the same worker, so it is built once.
+COSTLY_SESSION_FIXTURES = ("small_cold_start",)
 
 
 def _xdist_group(item: pytest.Item) -> str:
-    module = item.nodeid.split("::", 1)[0]
-    return SHARED_FIXTURE_GROUPS.get(module, module)
+    shared = [name for name in COSTLY_SESSION_FIXTURES if name in item.fixturenames]
+    return shared[0] if shared else item.nodeid.split("::", 1)[0]
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (``--dist loadgroup``)
 def pytest_collection_modifyitems(config, items):
-    # One xdist group per test file (module- and session-scoped fixtures are built once per worker), unless the
-    # file shares a session fixture with others; groups with a `slow` test first (stable otherwise), so that the
+    # One xdist group per test file (module- and session-scoped fixtures are built once per worker), or per
+    # costly session fixture; groups with a `slow` test first (stable otherwise), so that the
     # two workers do not end on one long file each while the other waits (with --no-loadscope-reorder, xdist
     # hands out groups in this order). Without xdist the marker does nothing.
     slow_groups = {_xdist_group(item) for item in items if item.get_closest_marker("slow")}
