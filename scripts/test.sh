@@ -27,8 +27,9 @@ bash scripts/slurm_up.sh
 set +e
 # Two pytest-xdist workers, one test file at a time each, files with slow tests first (tests/conftest.py): in
 # one process the 2-core machine is idle a quarter of the time (process starts, sleeps, I/O).
-# PYTEST_WORKERS=0 runs in this process.
-python3 -m pytest -m "not gpu" -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" --dist loadgroup \
+# PYTEST_WORKERS=0 runs in this process. pytest-benchmark, where the machine has it, would only warn that it is
+# off under xdist: no test here uses it (benchmarks/ are scripts).
+python3 -m pytest -m "not gpu" -p no:cacheprovider -p no:benchmark -n "${PYTEST_WORKERS:-2}" --dist loadgroup \
   --no-loadscope-reorder --durations=25 "$@" tests
 rc=$?
 set -e
