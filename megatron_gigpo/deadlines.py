@@ -108,11 +108,13 @@ def get_with_deadline(refs: Any, timeout_s: float, what: str, *, labels: Sequenc
     results: list[Any] = [None] * len(ordered)
     while pending:
         remaining = start + timeout_s - time.monotonic()
-        ready = ray.wait(list(pending), num_returns=1, timeout=max(remaining, 0.0))[0] if remaining > 0 else []
-        if not ready:
+        if remaining <= 0:
             late = [f"{names[i]} ({describe_actor(ref)})" if actors else names[i]
                     for ref, i in sorted(pending.items(), key=lambda x: x[1])]
             raise DeadlineError(what, timeout_s, time.monotonic() - start, late, context() if context else "")
+        # An empty answer goes round again: ray.wait's own timer can end a fraction of a millisecond before
+        # ours (seen: a deadline of 5 s reported after 4.9997 s).
+        ready = ray.wait(list(pending), num_returns=1, timeout=remaining)[0]
         for ref in ready:
             results[pending.pop(ref)] = ray.get(ref)
     return results[0] if single else results

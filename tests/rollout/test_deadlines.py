@@ -7,8 +7,8 @@ did not answer, where, and after how long.
 - actor ranks started without waiting (``ActorGroup(wait=False)``, what the CPU run does while its engines start)
   raise a rank's start failure from ``wait_started`` and are stopped;
 - a weight sync into an engine that stops answering fails at the sync's deadline, naming the engine;
-- ``get_with_deadline`` names a placed actor's node and process, and raises a remote failure at once instead of
-  waiting for a slower call.
+- ``get_with_deadline`` names a placed actor's node and process, never gives up before its deadline, and raises a
+  remote failure at once instead of waiting for a slower call.
 """
 
 from __future__ import annotations
@@ -173,3 +173,22 @@ def test_get_with_deadline_raises_a_remote_failure_at_once(ray_session):
         get_with_deadline([], float("inf"), "forever")
     ray.kill(slow_actor)
     ray.kill(failing)
+
+
+def test_get_with_deadline_never_gives_up_before_its_deadline(ray_session):
+    """ray.wait's timer counts whole milliseconds: asked for 13.7 ms it answered after 13.2 (141 of 200
+    fractional timeouts returned early, 2026-12-06). A deadline error before the deadline would be a lie; the
+    suite once failed on it (``elapsed_s`` 4.9997 for a 5 s engine start). ``actors=False``: no actor lookup
+    between the wait and the error to hide it (with the earlier loop this test fails)."""
+    ray = ray_session
+    sleeper = ray.remote(_Sleeper).options(num_cpus=0.1).remote()
+    slow = sleeper.nap.remote(600.0)
+    early = []
+    for i in range(20):
+        timeout_s = 0.0137 + i * 0.0031
+        with pytest.raises(DeadlineError) as info:
+            get_with_deadline(slow, timeout_s, "nap", actors=False)
+        if info.value.elapsed_s < timeout_s:
+            early.append((timeout_s, info.value.elapsed_s))
+    assert not early, early
+    ray.kill(sleeper)
