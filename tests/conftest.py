@@ -30,10 +30,11 @@ def pytest_collection_modifyitems(config, items):
     # costly session fixture; groups with a `slow` test first (stable otherwise), so that the
     # two workers do not end on one long file each while the other waits (with --no-loadscope-reorder, xdist
     # hands out groups in this order). Without xdist the marker does nothing.
-    slow_groups = {_xdist_group(item) for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: _xdist_group(item) not in slow_groups)
+    group = {item.nodeid: _xdist_group(item) for item in items}
+    slow_groups = {group[item.nodeid] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: group[item.nodeid] not in slow_groups)
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+        item.add_marker(pytest.mark.xdist_group(group[item.nodeid]))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
