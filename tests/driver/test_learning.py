@@ -31,7 +31,21 @@ advantages on the wrong rows (``row_adv.roll(1)``  0.14, 0.10, 0.09,      2e-5  
 in each micro-batch of actor/update.py)            mean 0.112: **FAILS**
 weight sync skipped (``pass`` for driver.py's      0.19, 0.21, 0.19       0.0, 6.0, 7.2:      0.418 -> 0.418
 ``run.sync_weights`` call; 2026-12-06)                                    **FAILS**
+as committed, again (2026-12-06, another machine)  0.186, 0.181, 0.223    1e-5                0.418 -> 0.434
+response labels shifted one token (prompt length   0.195, 0.109, 0.180    11.5, 11.5, 11.6:   0.418 -> 0.445
+``- 1`` in actor/batching.py; 2026-12-06)                                 **FAILS**
+token scatter shifted one token                    0.186, 0.185, 0.185    1e-5                0.418 -> 0.422
+(``advantages.roll(1, dims=1)`` after the scatter                                             passes
+in actor/update.py; 2026-12-06)
 =================================================  =====================  ==================  =================
+
+A row's advantage is the same on all its tokens, so a scatter shifted by one token changes only each reply's
+first token (and the longest row's last), here the first token of ``<think>``: after the cold start its
+probability is ~1 and its gradient ~0, so the update barely changes (iteration 1's update effect equals the
+committed run's to four digits) and no learning measure can tell. The actor test that pins the scatter is
+``tests/actor/test_actor_layouts.py::test_first_step_matches_the_loss_on_hugging_face`` (random weights, every
+token's gradient counts): it fails on this shift (policy loss -0.0771 against -0.0800), on the shifted labels
+and on advantages on the wrong rows.
 
 With this recipe the wrong-rows run passed the earlier bounds (every iteration above 0.05, mean above 0.1; with
 the previous recipe it gave 0.15, 0.047, 0.030 and failed them), so the bounds were raised to the ones in :func:`check_update_effect`; correct runs
