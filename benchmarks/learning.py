@@ -5,7 +5,8 @@
 
 1. One cold start (``megatron-gigpo sft`` on the recipe's expert demonstrations) gives the starting policy.
 2. From it, each method trains ``--iterations`` RL iterations (default: the recipe's
-   ``trainer.total_iterations``) on each of ``--seeds`` seeds (``trainer.seed`` and
+   ``trainer.total_iterations``; the README recipe's 20 take ~3 hours for five methods at 3 seeds, so README's
+   run uses ``--iterations 5``) on each of ``--seeds`` seeds (``trainer.seed`` and
    ``env.seed``), with the same groups, group size and step limit, so every run takes the same number of
    environment episodes (``gigpo_dynamic`` at least as many):
 
