@@ -93,7 +93,7 @@ class ActorGroup:
         world_size = len(rank_options)
         self.workers = [remote_cls.options(**options).remote(i, world_size, env_vars)
                         for i, options in enumerate(rank_options)]
-        self._start_deadline = time.monotonic() + start_timeout_s
+        self._start_clock = (time.monotonic(), start_timeout_s)  # the start deadline runs from here
         master = self.workers[0].address.remote()  # Ray resolves it before any rank's init runs
         self._starting = [w.init.remote(master, cfg) for w in self.workers]
         if wait:
@@ -109,10 +109,11 @@ class ActorGroup:
         """
         if not self._starting:
             return
+        started_at, timeout_s = self._start_clock
         try:
-            get_with_deadline(self._starting, max(self._start_deadline - time.monotonic(), 1e-3),
+            get_with_deadline(self._starting, timeout_s,
                               "actor ranks start (placement, process group, model build, weight load)",
-                              labels=[f"rank {i}" for i in range(len(self._starting))])
+                              labels=[f"rank {i}" for i in range(len(self._starting))], started_at=started_at)
         except BaseException:
             self.shutdown()
             raise

@@ -75,7 +75,8 @@ def describe_actor(handle_or_ref: Any) -> str:
 
 
 def get_with_deadline(refs: Any, timeout_s: float, what: str, *, labels: Sequence[str] | None = None,
-                      context: Callable[[], str] | None = None, actors: bool = True) -> Any:
+                      context: Callable[[], str] | None = None, actors: bool = True,
+                      started_at: float | None = None) -> Any:
     """``ray.get(refs)`` that waits at most ``timeout_s`` seconds.
 
     Args:
@@ -85,12 +86,17 @@ def get_with_deadline(refs: Any, timeout_s: float, what: str, *, labels: Sequenc
         labels: one label per ref (``"rank 3"``); default: the position.
         context: called only on a time-out; its text is appended to the message (e.g. cluster resources).
         actors: describe the actor behind each late ref (False for refs that are not actor calls).
+        started_at: the ``time.monotonic()`` at which the deadline's clock started (default: now), for a wait
+            that began earlier, e.g. at an actor's launch: the deadline is ``started_at + timeout_s`` and the
+            error reports the seconds since ``started_at``. Refs that are ready count even when the deadline
+            has already passed.
 
     Returns:
         The value (one ref) or the list of values (a sequence), in order.
 
     Raises:
-        DeadlineError: some call did not answer in time (every such call is named).
+        DeadlineError: some call did not answer in time (every such call is named); raised only once
+            ``timeout_s`` have passed since ``started_at``.
         ray.exceptions.RayError: the first remote failure, as soon as it arrives.
         ValueError: ``timeout_s`` is not a positive finite number.
     """
@@ -103,20 +109,21 @@ def get_with_deadline(refs: Any, timeout_s: float, what: str, *, labels: Sequenc
     names = list(labels) if labels is not None else [f"call {i}" for i in range(len(ordered))]
     if len(names) != len(ordered):
         raise ValueError(f"{what}: {len(names)} labels for {len(ordered)} refs")
-    start = time.monotonic()
+    start = time.monotonic() if started_at is None else started_at
     pending = {ref: i for i, ref in enumerate(ordered)}
     results: list[Any] = [None] * len(ordered)
     while pending:
         remaining = start + timeout_s - time.monotonic()
-        if remaining <= 0:
-            late = [f"{names[i]} ({describe_actor(ref)})" if actors else names[i]
-                    for ref, i in sorted(pending.items(), key=lambda x: x[1])]
-            raise DeadlineError(what, timeout_s, time.monotonic() - start, late, context() if context else "")
-        # An empty answer goes round again: ray.wait's own timer can end a fraction of a millisecond before
-        # ours (seen: a deadline of 5 s reported after 4.9997 s).
-        ready = ray.wait(list(pending), num_returns=1, timeout=remaining)[0]
+        ready = ray.wait(list(pending), num_returns=1, timeout=max(remaining, 0.0))[0]
         for ref in ready:
             results[pending.pop(ref)] = ray.get(ref)
+        # An empty answer before the deadline goes round again: ray.wait's own timer can end a fraction of a
+        # millisecond before ours (seen: a deadline of 5 s reported after 4.9997 s).
+        elapsed = time.monotonic() - start
+        if pending and not ready and elapsed >= timeout_s:
+            late = [f"{names[i]} ({describe_actor(ref)})" if actors else names[i]
+                    for ref, i in sorted(pending.items(), key=lambda x: x[1])]
+            raise DeadlineError(what, timeout_s, elapsed, late, context() if context else "")
     return results[0] if single else results
 
 

@@ -506,7 +506,7 @@ class RolloutEngineGroup:
         self.generate_timeout_s, self.call_timeout_s = timeouts.generate_s, timeouts.engine_call_s
         self.engines = [RolloutEngine.launch(self.config, **options) for options in per_engine]
         self._ray_options = per_engine
-        self._start_deadline = time.monotonic() + timeouts.engine_start_s
+        self._start_clock = (time.monotonic(), timeouts.engine_start_s)  # the start deadline runs from here
         self._starting = [e.ready.remote() for e in self.engines]
         if wait:
             self.wait_started()
@@ -530,8 +530,9 @@ class RolloutEngineGroup:
                     f"available: {ray.available_resources()}")
 
         try:
-            get_with_deadline(self._starting, max(self._start_deadline - time.monotonic(), 1e-3),
-                              "vLLM rollout engine start", labels=self._labels(), context=resources)
+            started_at, timeout_s = self._start_clock
+            get_with_deadline(self._starting, timeout_s, "vLLM rollout engine start", labels=self._labels(),
+                              context=resources, started_at=started_at)
         except BaseException:
             self.shutdown()
             raise

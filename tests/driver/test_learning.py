@@ -12,7 +12,7 @@ update):
 - vLLM's sampling log-probs equal the actor's on the same tokens (``rollout/actor_logprob_diff_max < 1e-3``,
   fp32): a weight sync that does not reach the engines leaves them sampling from the old weights;
 - held-out greedy success (256 validation rooms, in neither the demonstrations nor the RL tasks; the recipe
-  itself validates at temperature 1 on 512) after RL is not significantly below its value before RL (at most
+  itself validates at temperature 1 on 1,024) after RL is not significantly below its value before RL (at most
   two standard errors lower: :func:`check_held_out`). This guards against a collapse, not a sign: the float
   reduction order alone (the engine's torch thread count) moved it by a standard error (0.445 -> 0.453 against
   0.445 -> 0.418, 2026-12-04); the update-effect check is the one that catches a wrong sign.
@@ -40,7 +40,7 @@ in actor/update.py; 2026-12-06)
 =================================================  =====================  ==================  =================
 
 A row's advantage is the same on all its tokens, so a scatter shifted by one token changes only each reply's
-first token (and the longest row's last), here the first token of ``<think>``: after the cold start its
+first token (it gets the padding's 0), here the first token of ``<think>``: after the cold start its
 probability is ~1 and its gradient ~0, so the update barely changes (iteration 1's update effect equals the
 committed run's to four digits) and no learning measure can tell. The actor test that pins the scatter is
 ``tests/actor/test_actor_layouts.py::test_first_step_matches_the_loss_on_hugging_face`` (random weights, every

@@ -177,9 +177,9 @@ def test_get_with_deadline_raises_a_remote_failure_at_once(ray_session):
 
 def test_get_with_deadline_never_gives_up_before_its_deadline(ray_session):
     """ray.wait's timer counts whole milliseconds: asked for 13.7 ms it answered after 13.2 (141 of 200
-    fractional timeouts returned early, 2026-12-06). A deadline error before the deadline would be a lie; the
-    suite once failed on it (``elapsed_s`` 4.9997 for a 5 s engine start). ``actors=False``: no actor lookup
-    between the wait and the error to hide it (with the earlier loop this test fails)."""
+    fractional timeouts returned early, 2026-12-06). A deadline error before the deadline would be a lie.
+    ``actors=False``: no actor lookup between the wait and the error to hide it (with the earlier loop this test
+    fails)."""
     ray = ray_session
     sleeper = ray.remote(_Sleeper).options(num_cpus=0.1).remote()
     slow = sleeper.nap.remote(600.0)
@@ -191,4 +191,20 @@ def test_get_with_deadline_never_gives_up_before_its_deadline(ray_session):
         if info.value.elapsed_s < timeout_s:
             early.append((timeout_s, info.value.elapsed_s))
     assert not early, early
+    ray.kill(sleeper)
+
+
+def test_a_deadline_that_started_earlier_counts_from_its_start(ray_session):
+    """``started_at``: an engine or rank start is timed from its launch, not from the wait. The suite failed on a
+    5 s engine start reported after 4.99995 s when the wait was given the time left and timed itself from its
+    own start, 50 microseconds after the launch. A ref that is ready still counts after the deadline."""
+    ray = ray_session
+    sleeper = ray.remote(_Sleeper).options(num_cpus=0.1).remote()
+    slow = sleeper.nap.remote(600.0)
+    launched = time.monotonic() - 0.5
+    with pytest.raises(DeadlineError) as info:
+        get_with_deadline(slow, 0.6, "nap", actors=False, started_at=launched)
+    assert info.value.elapsed_s >= 0.6 and time.monotonic() - launched < 10
+    assert "(deadline 0.6 s)" in str(info.value)
+    assert get_with_deadline(ray.put(1), 0.1, "ready", actors=False, started_at=time.monotonic() - 10) == 1
     ray.kill(sleeper)
