@@ -153,7 +153,7 @@ def serve_node(buckets, plan, rank: int) -> None:
     """
     link = _Link(plan, relay_group(plan))
     engines = plan.relay_engines(rank)
-    deadline = time.monotonic() + plan.timeout_s
+    started = time.monotonic()  # every engine wait below ends plan.timeout_s after this
     error: BaseException | None = None
     sender: EngineSender | None = None
     inflight: deque = deque()
@@ -171,8 +171,8 @@ def serve_node(buckets, plan, rank: int) -> None:
         elif kind == BUCKET:
             flat, layout, keepalive, error = _receive(link, sender, error, nbytes, meta_len)
             if error is None:
-                error = _hand_over(sender, inflight, flat, layout, keepalive, deadline)
-    error = _settle(sender, inflight, 0, deadline) if error is None else error
+                error = _hand_over(sender, inflight, flat, layout, keepalive, started)
+    error = _settle(sender, inflight, 0, started) if error is None else error
     for _, keepalive in inflight:
         sender.done(keepalive)
     if sender is not None:
@@ -197,9 +197,9 @@ def _receive(link: _Link, sender: EngineSender | None, error: BaseException | No
     return flat, layout, keepalive, error
 
 
-def _hand_over(sender: EngineSender, inflight: deque, flat, layout, keepalive, deadline: float):
+def _hand_over(sender: EngineSender, inflight: deque, flat, layout, keepalive, started: float):
     """Start the engines' receive of one bucket (after settling older ones); returns the error or None."""
-    error = _settle(sender, inflight, sender.plan.max_inflight_buckets - 1, deadline)
+    error = _settle(sender, inflight, sender.plan.max_inflight_buckets - 1, started)
     if error is not None:
         sender.done(keepalive)
         return error
@@ -211,14 +211,15 @@ def _hand_over(sender: EngineSender, inflight: deque, flat, layout, keepalive, d
     return None
 
 
-def _settle(sender: EngineSender | None, inflight: deque, limit: int, deadline: float):
-    """Wait until at most ``limit`` buckets are unacknowledged; returns the first error or None."""
+def _settle(sender: EngineSender | None, inflight: deque, limit: int, started: float):
+    """Wait until at most ``limit`` buckets are unacknowledged, at most until ``plan.timeout_s`` after
+    ``started`` (``time.monotonic()``); returns the first error or None."""
     while sender is not None and len(inflight) > limit:
         refs, keepalive = inflight.popleft()
         try:
-            get_with_deadline(refs, max(deadline - time.monotonic(), 1e-3),
+            get_with_deadline(refs, sender.plan.timeout_s,
                               f"receive_bucket (version {sender.plan.version}) on the rollout engines of "
-                              f"{sender.who}", labels=sender.labels)
+                              f"{sender.who}", labels=sender.labels, started_at=started)
         except BaseException as exc:  # noqa: BLE001 - reported to the source
             return exc
         finally:

@@ -250,10 +250,6 @@ def _engine_labels(plan: SyncPlan) -> list[str]:
     return engine_labels(range(len(plan.engines)))
 
 
-def _remaining(deadline: float) -> float:
-    return max(deadline - time.monotonic(), 1e-3)
-
-
 def _remote_error(exc: BaseException) -> BaseException:
     """The engine-side exception inside a Ray error, when there is one."""
     cause = getattr(exc, "cause", None)
@@ -444,21 +440,22 @@ def _push_from_source(buckets, plan: SyncPlan) -> SyncReport:
     import ray
 
     start = time.perf_counter()
-    deadline = time.monotonic() + plan.timeout_s
+    started = time.monotonic()  # every wait below ends plan.timeout_s after this
     labels = _engine_labels(plan)
     report = SyncReport(plan.version, "", 0, 0, 0)
     error: BaseException | None = None
     sender: EngineSender | None = None
     relay = RelaySource(plan)
     try:
-        get_with_deadline([e.begin_weight_update.remote(plan.version) for e in plan.engines], _remaining(deadline),
-                          f"begin_weight_update (version {plan.version}) on the rollout engines", labels=labels)
+        get_with_deadline([e.begin_weight_update.remote(plan.version) for e in plan.engines], plan.timeout_s,
+                          f"begin_weight_update (version {plan.version}) on the rollout engines", labels=labels,
+                          started_at=started)
         sender = EngineSender(plan, plan.direct_engines, f"the source rank {plan.source_rank}")
-        digests = _send_all(buckets, plan, sender, relay, report, deadline)
+        digests = _send_all(buckets, plan, sender, relay, report, started)
         _raise_relay_errors(relay.close())
         plan.spec.check_complete(set(digests))
         report.checksum = combine_digests(digests)
-        _commit(plan, report, deadline)
+        _commit(plan, report, started)
     except ray.exceptions.RayTaskError as exc:
         error = WeightSyncError(str(_remote_error(exc)))
         error.__cause__ = exc
@@ -482,13 +479,13 @@ def _raise_relay_errors(failures: dict[int, str]) -> None:
         raise WeightSyncError("relay to the engines of another node failed: " + "; ".join(failures.values()))
 
 
-def _commit(plan: SyncPlan, report: SyncReport, deadline: float) -> None:
+def _commit(plan: SyncPlan, report: SyncReport, started: float) -> None:
     """Every engine checks the checksum of what it staged against the source's and loads; check the reports."""
     tick = time.perf_counter()
     results = get_with_deadline(
         [e.commit_weight_update.remote(plan.version, report.checksum) for e in plan.engines],
-        _remaining(deadline), f"commit_weight_update (version {plan.version}) on the rollout engines",
-        labels=_engine_labels(plan))
+        plan.timeout_s, f"commit_weight_update (version {plan.version}) on the rollout engines",
+        labels=_engine_labels(plan), started_at=started)
     report.commit_s = time.perf_counter() - tick
     for i, (version, checksum) in enumerate(results):
         if (version, checksum) != (plan.version, report.checksum):
@@ -518,7 +515,7 @@ def _abort(buckets, plan: SyncPlan, relay: RelaySource) -> None:
 
 
 def _send_all(buckets, plan: SyncPlan, sender: EngineSender, relay: RelaySource, report: SyncReport,
-              deadline: float) -> dict[str, bytes]:
+              started: float) -> dict[str, bytes]:
     """Validate, pack, hash and send every bucket: to the source's own engines and to the node leaders."""
     digests: dict[str, bytes] = {}
     seen: set[str] = set()
@@ -529,8 +526,8 @@ def _send_all(buckets, plan: SyncPlan, sender: EngineSender, relay: RelaySource,
             refs, keepalive, _ = inflight.popleft()
             tick = time.perf_counter()
             try:
-                get_with_deadline(refs, _remaining(deadline), f"receive_bucket (version {plan.version}) on the "
-                                  "rollout engines", labels=sender.labels)
+                get_with_deadline(refs, plan.timeout_s, f"receive_bucket (version {plan.version}) on the "
+                                  "rollout engines", labels=sender.labels, started_at=started)
             finally:
                 sender.done(keepalive)
             report.send_s += time.perf_counter() - tick
