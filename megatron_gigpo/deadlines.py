@@ -127,8 +127,9 @@ def get_with_deadline(refs: Any, timeout_s: float, what: str, *, labels: Sequenc
     return results[0] if single else results
 
 
-def wait_placement_group(pg: Any, timeout_s: float, what: str) -> None:
-    """Wait until placement group ``pg`` has reserved all its bundles.
+def wait_placement_group(pg: Any, timeout_s: float, what: str, *, started_at: float | None = None) -> None:
+    """Wait until placement group ``pg`` has reserved all its bundles, at most until ``timeout_s`` after
+    ``started_at`` (``time.monotonic()``; default: now), as :func:`get_with_deadline`.
 
     Raises:
         DeadlineError: not reserved in time; the message gives the bundles asked for, the group's state and
@@ -146,4 +147,4 @@ def wait_placement_group(pg: Any, timeout_s: float, what: str) -> None:
                 f"{ray.cluster_resources()}, available: {ray.available_resources()}")
 
     get_with_deadline(pg.ready(), timeout_s, what, labels=[f"placement group of {pg.bundle_count} bundles"],
-                      context=context, actors=False)
+                      context=context, actors=False, started_at=started_at)

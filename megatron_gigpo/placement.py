@@ -480,11 +480,11 @@ def create_placement_groups(plan: PlacementPlan, *, timeout_s: float = 600.0) ->
     from megatron_gigpo.deadlines import wait_placement_group
 
     groups = [placement_group([dict(b) for b in node], strategy="STRICT_PACK") for node in plan.bundles]
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()  # every group's wait ends timeout_s after this
     try:
         for n, group in enumerate(groups):
-            wait_placement_group(group, max(deadline - time.monotonic(), 1e-3),
-                                 f"placement group of the run's node {n} (megatron_gigpo.placement)")
+            wait_placement_group(group, timeout_s, f"placement group of the run's node {n} (megatron_gigpo.placement)",
+                                 started_at=started)
     except BaseException:
         remove_placement_groups(groups)
         raise
