@@ -38,20 +38,27 @@ def row_advantages(batch: TrainingBatch) -> torch.Tensor:
     return torch.linspace(-1.0, 1.0, batch.num_rows)
 
 
+def response_log_probs_and_entropy(model, batch: TrainingBatch, dtype: torch.dtype) -> tuple[list, list]:
+    """Per row, the (R,) log-probs of the response tokens and the (R,) entropies of the ``transformers`` model's
+    next-token distributions that predict them, with the softmax in ``dtype``; differentiable when grad is on."""
+    log_probs, entropies = [], []
+    for prompt, response in zip(batch.prompt_ids, batch.response_ids):
+        ids = torch.cat([prompt, response]).unsqueeze(0)
+        logits = model(ids).logits[0, prompt.numel() - 1 : ids.shape[1] - 1].to(dtype)  # (R, V)
+        logp = torch.log_softmax(logits, dim=-1)
+        log_probs.append(logp.gather(-1, response.unsqueeze(-1)).squeeze(-1))
+        entropies.append(-(logp.exp() * logp).sum(-1))
+    return log_probs, entropies
+
+
 def hf_log_probs_and_entropy(model_dir: Path, batch: TrainingBatch) -> tuple[list, list]:
-    """Reference per-token log-probs and entropies from ``transformers`` (float64 softmax)."""
+    """Reference per-token log-probs and entropies from ``transformers`` (float64 softmax, float32 results)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    log_probs, entropies = [], []
     with torch.no_grad():
-        for prompt, response in zip(batch.prompt_ids, batch.response_ids):
-            ids = torch.cat([prompt, response]).unsqueeze(0)
-            logits = model(ids).logits[0, prompt.numel() - 1 : ids.shape[1] - 1].double()  # (R, V)
-            logp = torch.log_softmax(logits, dim=-1)
-            log_probs.append(logp.gather(-1, response.unsqueeze(-1)).squeeze(-1).float())
-            entropies.append((-(logp.exp() * logp).sum(-1)).float())
-    return log_probs, entropies
+        log_probs, entropies = response_log_probs_and_entropy(model, batch, torch.float64)
+    return [t.float() for t in log_probs], [t.float() for t in entropies]
 
 
 def start_rank() -> None:

@@ -16,11 +16,13 @@ from actor_helpers import (
     export_full_weights,
     hf_log_probs_and_entropy,
     make_batch,
+    response_log_probs_and_entropy,
     row_advantages,
     start_rank,
 )
 from multiproc import spawn
 from tiny_models import make_tiny_hf_model
+from torch.nn.utils.rnn import pad_sequence
 
 LAYOUTS = {"tp2": (2, 1, False), "pp2": (1, 2, False), "dp2_distopt": (1, 1, True)}
 
@@ -193,15 +195,10 @@ def _hf_first_step(model_dir, batch, config) -> tuple[float, float]:
     from megatron_gigpo.algo.losses import compute_actor_loss
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    lengths = [r.numel() for r in batch.response_ids]
-    log_prob = torch.zeros(batch.num_rows, max(lengths))
-    entropy = torch.zeros_like(log_prob)
-    for row, (prompt, response) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
-        ids = torch.cat([prompt, response]).unsqueeze(0)
-        logp = torch.log_softmax(model(ids).logits[0, prompt.numel() - 1 : -1].float(), dim=-1)  # (R, V)
-        log_prob[row, : response.numel()] = logp.gather(-1, response.unsqueeze(-1)).squeeze(-1)
-        entropy[row, : response.numel()] = -(logp.exp() * logp).sum(-1)
-    mask = (torch.arange(max(lengths)) < torch.tensor(lengths).unsqueeze(1)).float()  # (B, R_max)
+    rows = response_log_probs_and_entropy(model, batch, torch.float32)
+    log_prob, entropy = (pad_sequence(t, batch_first=True) for t in rows)  # (B, R_max), zero-padded
+    lengths = torch.tensor([r.numel() for r in batch.response_ids])
+    mask = (torch.arange(log_prob.shape[1]) < lengths.unsqueeze(1)).float()  # (B, R_max)
     loss = config.loss
     value, metrics = compute_actor_loss(
         log_prob, log_prob.detach(), row_advantages(batch).unsqueeze(1) * mask, mask,
