@@ -60,7 +60,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from tiny_models import make_tiny_hf_model
 
-    from megatron_gigpo.ray_setup import local_ray_env
+    from megatron_gigpo.cluster.ray_setup import local_ray_env
 
     with tempfile.TemporaryDirectory() as tmp, local_ray_env() as env:
         model = make_tiny_hf_model(Path(tmp), "qwen2", tie=True, seed=7, hidden_size=128, intermediate_size=256)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from megatron_gigpo.config import load_config
 from megatron_gigpo.driver import train
-from megatron_gigpo.metrics import read_metrics
+from megatron_gigpo.run.metrics import read_metrics
 
 PHASES = ("rollout", "old_log_prob", "ref_log_prob", "advantage", "update", "resharding")
 

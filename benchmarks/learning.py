@@ -65,7 +65,7 @@ def _cli(*args: str) -> None:
 
 
 def _records(run_dir: Path) -> list[dict]:
-    from megatron_gigpo.metrics import read_metrics
+    from megatron_gigpo.run.metrics import read_metrics
 
     return read_metrics(run_dir)
 

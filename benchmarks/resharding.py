@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from megatron_gigpo.models.builtin import cache_root, resolve_model_path
-    from megatron_gigpo.ray_setup import local_ray_env
+    from megatron_gigpo.cluster.ray_setup import local_ray_env
 
     smollm2 = resolve_model_path("builtin:smollm2-135m-instruct")
     root = cache_root() / "models"

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 def init_ray(cfg: Config) -> dict[str, float]:
     """Connect to ``RAY_ADDRESS`` (a cluster, e.g. from slurm/train.sbatch) or start a local Ray.
 
-    Token authentication either way (:mod:`megatron_gigpo.ray_setup`): a local Ray gets a fresh token file
+    Token authentication either way (:mod:`megatron_gigpo.cluster.ray_setup`): a local Ray gets a fresh token file
     that is removed when this process exits; a cluster needs the token that the environment provides.
 
     Returns ``ray.cluster_resources()``.
@@ -37,7 +37,7 @@ def init_ray(cfg: Config) -> dict[str, float]:
 
     import ray
 
-    from megatron_gigpo.ray_setup import connect_ray, local_ray_env
+    from megatron_gigpo.cluster.ray_setup import connect_ray, local_ray_env
 
     if not ray.is_initialized():
         # Worker output: INFO to runs/<experiment>/logs/, warnings and errors to the terminal (megatron_gigpo.logs).
@@ -64,14 +64,14 @@ def init_ray(cfg: Config) -> dict[str, float]:
 
 def start_ray(cfg: Config, stack: contextlib.ExitStack, *, check_env: bool = True) -> dict[str, float]:
     """:func:`init_ray`, with ``ray.shutdown`` registered on ``stack``, then the preflight checks
-    (:func:`megatron_gigpo.preflight.preflight`; ``check_env=False`` skips the environment's data and services).
+    (:func:`megatron_gigpo.cluster.preflight.preflight`; ``check_env=False`` skips the environment's data and services).
 
     Returns ``ray.cluster_resources()``.
 
     Raises:
         PreflightError: the recipe cannot run here.
     """
-    from megatron_gigpo.preflight import preflight
+    from megatron_gigpo.cluster.preflight import preflight
 
     resources = init_ray(cfg)
     stack.callback(_shutdown_ray)
@@ -81,16 +81,16 @@ def start_ray(cfg: Config, stack: contextlib.ExitStack, *, check_env: bool = Tru
 
 def start_actor_group(cfg: Config, actor_cfg, stack: contextlib.ExitStack, *, wait: bool = True):
     """The Megatron actor ranks of ``cfg``'s layout, placed as the run's placement plan says
-    (:func:`megatron_gigpo.placement.plan_placement`, the plan ``validate --plan`` prints), built from
+    (:func:`megatron_gigpo.cluster.placement.plan_placement`, the plan ``validate --plan`` prints), built from
     ``actor_cfg``; the placement groups' removal and the ranks' shutdown are registered on ``stack``. Used by RL
     training and by the SFT stage alike. ``wait=False`` returns while the ranks still start
-    (:meth:`ActorGroup.wait_started <megatron_gigpo.actor_group.ActorGroup.wait_started>`).
+    (:meth:`ActorGroup.wait_started <megatron_gigpo.actor.group.ActorGroup.wait_started>`).
 
     Returns:
         ``(plan, placement_groups, ActorGroup)``.
     """
-    from megatron_gigpo.actor_group import ActorGroup
-    from megatron_gigpo.placement import create_placement_groups, plan_placement, remove_placement_groups, slot_options
+    from megatron_gigpo.actor.group import ActorGroup
+    from megatron_gigpo.cluster.placement import create_placement_groups, plan_placement, remove_placement_groups, slot_options
 
     plan, timeouts = plan_placement(cfg), cfg.trainer.timeouts
     groups = create_placement_groups(plan, timeout_s=timeouts.placement_s)
@@ -214,14 +214,14 @@ class RunContext(StartedStack):
     # ---------------------------------------------------------------- lifetime
     def _start(self) -> None:
         from megatron_gigpo.actor.config import ActorConfig
-        from megatron_gigpo.env_settings import load_task_list, validation_subset
-        from megatron_gigpo.metrics import MetricsLogger
+        from megatron_gigpo.envs.registry import load_task_list, validation_subset
+        from megatron_gigpo.run.metrics import MetricsLogger
         from megatron_gigpo.models.random_init import resolve_model
 
         cfg = self.cfg
         start_ray(cfg, self._stack)
         model_dir = resolve_model(cfg.model)
-        # Where every rank, engine and vLLM worker runs: the plan `validate --plan` prints (megatron_gigpo.placement).
+        # Where every rank, engine and vLLM worker runs: the plan `validate --plan` prints (megatron_gigpo.cluster.placement).
         actor_cfg = ActorConfig.from_recipe(cfg, model_dir)
         self.plan, self.placement_groups, self.actors = start_actor_group(cfg, actor_cfg, self._stack, wait=False)
         # CPU: the engines start while the ranks build and this process loads the tokenizer (each start is mostly
@@ -308,7 +308,7 @@ class RunContext(StartedStack):
                                    params=self.cfg.algorithm, iteration=iteration + 1)
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        from megatron_gigpo.placement import weight_relays
+        from megatron_gigpo.cluster.placement import weight_relays
         from megatron_gigpo.rollout.weight_sync import sync_weights
 
         # Engines on other nodes than rank 0's get the weights through their node's leader rank (the plan's relay).
@@ -402,7 +402,7 @@ class RunContext(StartedStack):
         return int(sum(p.numel() + r.numel() for p, r in zip(batch.prompt_ids, batch.response_ids)))
 
     def log(self, metrics: dict[str, Any], iteration: int) -> None:
-        from megatron_gigpo.metrics import console_line
+        from megatron_gigpo.run.metrics import console_line
 
         self.logger.log(metrics, iteration)
         line = console_line(metrics, iteration, self.cfg.trainer.total_iterations, self.cfg.env.name)
@@ -414,7 +414,7 @@ class RunContext(StartedStack):
 
 
 def _rank_env(cfg: Config) -> dict[str, str]:
-    from megatron_gigpo.ray_setup import worker_env
+    from megatron_gigpo.cluster.ray_setup import worker_env
 
     env = worker_env()
     if cfg.trainer.device == "cpu":
@@ -431,10 +431,10 @@ def _shutdown_ray() -> None:
 
 
 def _build_engines(cfg: Config, model_dir: Path, plan, groups, *, wait: bool = True):
-    """The vLLM engines, each started where ``plan`` puts it (:func:`megatron_gigpo.placement.engine_options`);
+    """The vLLM engines, each started where ``plan`` puts it (:func:`megatron_gigpo.cluster.placement.engine_options`);
     ``wait=False`` returns while they start (:meth:`RolloutEngineGroup.wait_started
     <megatron_gigpo.rollout.engine.RolloutEngineGroup.wait_started>`)."""
-    from megatron_gigpo.placement import engine_options
+    from megatron_gigpo.cluster.placement import engine_options
     from megatron_gigpo.rollout.engine import RolloutEngineGroup
 
     return RolloutEngineGroup(
@@ -446,7 +446,7 @@ def _build_engines(cfg: Config, model_dir: Path, plan, groups, *, wait: bool = T
 
 
 def _build_collector(cfg: Config, tokenizer, engines):
-    from megatron_gigpo.env_settings import env_kwargs
+    from megatron_gigpo.envs.registry import env_kwargs
     from megatron_gigpo.episodes.collector import EpisodeCollector
     from megatron_gigpo.rollout.engine import SamplingConfig
 

@@ -21,7 +21,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         return 2
     cfg = load_config(args.recipe, args.overrides)
     if args.preflight:
-        from megatron_gigpo.preflight import preflight
+        from megatron_gigpo.cluster.preflight import preflight
 
         preflight(cfg)
     p = cfg.parallel
@@ -37,9 +37,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _print_plan(cfg, gpu_memory_gib: float) -> None:
-    """The placement plan (megatron_gigpo.placement) and, on GPU, its per-GPU memory estimate."""
-    from megatron_gigpo.memory import estimate_memory, format_memory, policy_hf_config
-    from megatron_gigpo.placement import format_plan, plan_placement
+    """The placement plan (megatron_gigpo.cluster.placement) and, on GPU, its per-GPU memory estimate."""
+    from megatron_gigpo.cluster.memory import estimate_memory, format_memory, policy_hf_config
+    from megatron_gigpo.cluster.placement import format_plan, plan_placement
 
     plan = plan_placement(cfg)
     print(format_plan(plan))
@@ -128,7 +128,7 @@ def _cmd_demos(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from megatron_gigpo.plots import plot_run
+    from megatron_gigpo.run.plots import plot_run
 
     for path in plot_run(Path(args.run_dir)):
         print(path)
@@ -202,7 +202,7 @@ def console_logging() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from megatron_gigpo.config import ConfigError
-    from megatron_gigpo.preflight import PreflightError
+    from megatron_gigpo.cluster.preflight import PreflightError
     from megatron_gigpo.sft import SFTDataError
 
     argv = sys.argv[1:] if argv is None else argv

@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 
 import pytest
 
-from megatron_gigpo.ray_setup import local_ray_env
+from megatron_gigpo.cluster.ray_setup import local_ray_env
 
 
 def _free_port() -> int:

@@ -20,7 +20,7 @@ parent as ``name: NewConfig = field(default_factory=NewConfig)``; loading, stric
 Loading (:mod:`.loading`): errors (:class:`ConfigError`) name the file, the key and, for a misspelled key, the
 closest valid key. Cross-field checks (:func:`validate_config`, :mod:`.validation`) run before anything
 starts; checks that need the machine (data directories, devices, services) live in
-:mod:`megatron_gigpo.preflight`.
+:mod:`megatron_gigpo.cluster.preflight`.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ class ModelConfig:
 class ParallelConfig:
     """Megatron layout of the actor. TP x PP x DP actor ranks = trainer.nnodes x trainer.devices_per_node; with
     GPU engines in ``rollout.weight_sync_mode: disaggregated`` the engines' GPUs come out of that count
-    (:mod:`megatron_gigpo.placement`)."""
+    (:mod:`megatron_gigpo.cluster.placement`)."""
 
     tensor_model_parallel_size: int = num(1, ge=1)
     pipeline_model_parallel_size: int = num(1, ge=1)

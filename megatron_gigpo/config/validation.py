@@ -20,7 +20,7 @@ from megatron_gigpo.config import (
 )
 from megatron_gigpo.episodes.templates import PROMPT_TEMPLATES
 from megatron_gigpo.fields import field_errors, leaf_fields
-from megatron_gigpo.model_specs import KNOWN_MODELS, hf_config_for
+from megatron_gigpo.models.specs import KNOWN_MODELS, hf_config_for
 
 # --------------------------------------------------------------------------------------------------
 # Cross-field validation
@@ -117,7 +117,7 @@ def validate_config(cfg: Config, source: str = "config") -> None:
                           f"(of {', '.join(LORA_TARGET_MODULES)})")
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
     # World size, engine GPUs and nodes: the placement plan's own check (one place decides where things run).
-    from megatron_gigpo.placement import placement_errors
+    from megatron_gigpo.cluster.placement import placement_errors
 
     errors += placement_errors(cfg)
     try:

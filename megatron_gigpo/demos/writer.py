@@ -127,7 +127,7 @@ def demo_tasks(cfg: Config, num_episodes: int, seed: int) -> list[Task]:
             ``env.alfworld.train_split_dir`` equal to ``val_split_dir``), or ``num_episodes`` < 1.
     """
     from megatron_gigpo.builders import epoch_order
-    from megatron_gigpo.env_settings import load_task_list
+    from megatron_gigpo.envs.registry import load_task_list
 
     if num_episodes < 1:
         raise ValueError(f"num_episodes must be >= 1, got {num_episodes}")
@@ -253,7 +253,7 @@ def write_demos(
         DemoError, PromptTooLongError: see :func:`play_episode`.
     """
     from megatron_gigpo.builders import step_prompt_settings
-    from megatron_gigpo.env_settings import env_kwargs
+    from megatron_gigpo.envs.registry import env_kwargs
     from megatron_gigpo.envs.registry import make_env
     from megatron_gigpo.episodes.collector import reset_seed
     from megatron_gigpo.episodes.prompts import step_prompt_renderer

@@ -36,7 +36,7 @@ class EnvRecipe:
         task_list: ``(env section, split) -> list[Task]``: the deterministic task list of ``train`` or ``val``.
         check_resources: ``env section -> list[str]``: problems (messages naming the key) that would stop the
             environment from starting, such as missing data files or an unreachable service
-            (:mod:`megatron_gigpo.preflight`); default: none.
+            (:mod:`megatron_gigpo.cluster.preflight`); default: none.
         templates: its per-step prompt templates, one per style of ``env.prompt_template``
             (:class:`megatron_gigpo.episodes.templates.PromptTemplate`, collected by
             :func:`~megatron_gigpo.episodes.templates.prompt_templates`).

@@ -18,7 +18,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_gigpo.model_specs import padded_vocab_size
+from megatron_gigpo.models.specs import padded_vocab_size
 from megatron_gigpo.models.mapping import UnsupportedModelError, get_model_mapping
 
 __all__ = [

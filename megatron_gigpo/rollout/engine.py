@@ -245,7 +245,7 @@ class RolloutEngine:
     @classmethod
     def launch(cls, config: EngineConfig, **ray_options: Any):
         """Start the engine as a Ray actor; ``ray_options`` go to ``.options()`` (e.g. scheduling_strategy, or
-        :func:`megatron_gigpo.placement.engine_options`); ``runtime_env`` environment variables there are added to
+        :func:`megatron_gigpo.cluster.placement.engine_options`); ``runtime_env`` environment variables there are added to
         ``config.env_vars``.
 
         Returns:
@@ -479,7 +479,7 @@ class RolloutEngineGroup:
             :class:`EngineConfig`).
         dtype: model and weight-transfer dtype (the actor's).
         ray_options: extra ``.options()`` for every engine actor (e.g. a placement-group strategy), or a list
-            with one dict per engine (the placement plan's :func:`megatron_gigpo.placement.engine_options`).
+            with one dict per engine (the placement plan's :func:`megatron_gigpo.cluster.placement.engine_options`).
         timeouts: the recipe's ``trainer.timeouts``: ``engine_start_s`` (placement, weight load, KV-cache
             allocation), ``generate_s`` (one :meth:`generate` / :meth:`compute_log_probs` batch) and
             ``engine_call_s`` (sleep, wake-up, version and tokenizer queries), seconds.

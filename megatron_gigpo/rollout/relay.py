@@ -2,7 +2,7 @@
 
 Same-node transports (``shm`` files, CUDA IPC handles) open only on the node that made them. When a run's engines
 span several nodes, each other node has a *leader*: its lowest actor rank (the placement plan's
-:func:`megatron_gigpo.placement.weight_relays`, carried in :attr:`SyncPlan.relays`). The source rank sends every
+:func:`megatron_gigpo.cluster.placement.weight_relays`, carried in :attr:`SyncPlan.relays`). The source rank sends every
 packed flat bucket and its layout to the leaders over a torch.distributed subgroup of the actor ranks (source +
 leaders; gloo for ``shm``, NCCL for ``cuda_ipc``; created once by every actor rank and cached); each leader
 receives it straight into its own transport buffer and hands it to its node's engines exactly as the source does
@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 
 from megatron_gigpo.deadlines import get_with_deadline
-from megatron_gigpo.placement import relay_backend
+from megatron_gigpo.cluster.placement import relay_backend
 from megatron_gigpo.rollout.sender import EngineSender
 from megatron_gigpo.rollout.transport import BucketLayout
 

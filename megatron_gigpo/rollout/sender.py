@@ -126,7 +126,7 @@ class EngineSender:
             raise WeightSyncError(
                 f"transport '{self.plan.transport}' reaches only engines on the node of its sender, {self.who}; "
                 f"engines {away} are on other nodes. Relay through a rank on each engine node (sync_weights(..., "
-                "relays=megatron_gigpo.placement.weight_relays(plan)), as the run does) or use "
+                "relays=megatron_gigpo.cluster.placement.weight_relays(plan)), as the run does) or use "
                 "rollout.weight_sync_mode=disaggregated (transport 'broadcast')"
             )
 

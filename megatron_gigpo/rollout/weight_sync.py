@@ -35,7 +35,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from megatron_gigpo.deadlines import get_with_deadline
-from megatron_gigpo.placement import weight_transport
+from megatron_gigpo.cluster.placement import weight_transport
 from megatron_gigpo.rollout.checksum import combine_digests, tensor_digest, weights_checksum
 from megatron_gigpo.rollout.errors import WeightSyncError
 from megatron_gigpo.rollout.relay import RelaySource, relay_group, serve_node
@@ -172,7 +172,7 @@ class SyncPlan:
             group's timeout), seconds.
         relays: ``(leader rank, engine indices)`` per node reached through a node leader
             (:mod:`megatron_gigpo.rollout.relay`; the placement plan's
-            :func:`~megatron_gigpo.placement.weight_relays`); the source serves the other engines itself.
+            :func:`~megatron_gigpo.cluster.placement.weight_relays`); the source serves the other engines itself.
     """
 
     engines: tuple[Any, ...]
@@ -280,7 +280,7 @@ def prepare_sync(
         source_rank: the export's destination rank.
         max_inflight_buckets: >= 1.
         timeout_s: the sync's deadline in seconds (:attr:`SyncPlan.timeout_s`); also this call's.
-        relays: ``(leader rank, engine indices)`` pairs (:func:`megatron_gigpo.placement.weight_relays` gives them
+        relays: ``(leader rank, engine indices)`` pairs (:func:`megatron_gigpo.cluster.placement.weight_relays` gives them
             for a run's placement plan): engines on other nodes than the source's, reached through a rank on
             their node. Ignored by the ``broadcast`` transport, which reaches every node itself.
 
@@ -351,7 +351,7 @@ def sync_weights(
     """Push the actor's current weights into every engine as ``version``; returns ``weight_sync/*`` metrics.
 
     Args:
-        actors: an :class:`~megatron_gigpo.actor_group.ActorGroup` (its ``call_all(method, plan)`` runs
+        actors: an :class:`~megatron_gigpo.actor.group.ActorGroup` (its ``call_all(method, plan)`` runs
             ``PolicyActor.<method>(plan)`` on every rank) or a list of Ray actor handles each with a
             ``<method>(plan)`` remote method. That method must call :func:`push_weights` with the rank's
             ``export_hf_weights(model, bucket_size_bytes=plan.bucket_size_bytes)`` iterator.

@@ -96,7 +96,7 @@ def _held_out_loss(actors, rows) -> dict[str, float]:
 
 class SFTTrainer(StartedStack):
     """One SFT run. Use as a context manager (Ray, the actor ranks and the metric sinks stop on exit), then
-    :meth:`fit`. ``trainer.actors`` (an :class:`~megatron_gigpo.actor_group.ActorGroup`) and
+    :meth:`fit`. ``trainer.actors`` (an :class:`~megatron_gigpo.actor.group.ActorGroup`) and
     ``trainer.train_rows`` / ``trainer.val_rows`` stay usable inside the ``with`` block.
 
     Raises (on entry):
@@ -149,7 +149,7 @@ class SFTTrainer(StartedStack):
 
         from megatron_gigpo.builders import start_actor_group, start_ray
         from megatron_gigpo.config import save_config
-        from megatron_gigpo.metrics import MetricsLogger
+        from megatron_gigpo.run.metrics import MetricsLogger
         from megatron_gigpo.models.random_init import resolve_model
 
         cfg = self.cfg
@@ -255,7 +255,7 @@ def run_sft(cfg: Config) -> dict[str, float]:
     """
     done = finished_model(cfg)
     if done is not None:
-        from megatron_gigpo.metrics import read_metrics
+        from megatron_gigpo.run.metrics import read_metrics
 
         print(f"megatron-gigpo: SFT already finished: the model is {done} (model.path={done}); remove "
               f"{sft_dir(cfg)} or use another trainer.experiment_name to train again", flush=True)

@@ -187,7 +187,7 @@ def test_merged_export_is_w_plus_scaled_ba(runs):
 def test_memory_plan_counts_the_adapters_the_actor_builds(runs):
     from tiny_models import tiny_config
 
-    from megatron_gigpo.memory import lora_rank_parameter_count
+    from megatron_gigpo.cluster.memory import lora_rank_parameter_count
 
     hf = tiny_config(tie=True, vocab_size=511).to_dict()
     for name, (tp, pp, _) in LAYOUTS.items():

@@ -204,7 +204,7 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 def test_webshop_human_goals_key_reaches_the_environment(tmp_path):
-    from megatron_gigpo.env_settings import env_kwargs, load_task_list
+    from megatron_gigpo.envs.registry import env_kwargs, load_task_list
     from megatron_gigpo.envs.registry import make_env
     from megatron_gigpo.envs.webshop.synthetic import write_synthetic_webshop_data
 
@@ -256,7 +256,7 @@ def test_saved_config_is_world_readable(tmp_path):
 
 def test_search_information_format_reaches_the_environment(tmp_path, shared_dir):
     from megatron_gigpo.config import field_choices, recipe_fields
-    from megatron_gigpo.env_settings import env_kwargs
+    from megatron_gigpo.envs.registry import env_kwargs
     from megatron_gigpo.envs.search_qa.passages import INFORMATION_FORMATS
 
     fields = {key: f for key, f, _ in recipe_fields()}

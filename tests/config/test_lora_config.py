@@ -40,8 +40,8 @@ def test_bad_lora_values_are_named(override, message):
 
 
 def test_memory_plan_counts_only_adapters():
-    from megatron_gigpo.memory import estimate_memory, lora_rank_parameter_count, policy_hf_config
-    from megatron_gigpo.placement import plan_placement
+    from megatron_gigpo.cluster.memory import estimate_memory, lora_rank_parameter_count, policy_hf_config
+    from megatron_gigpo.cluster.placement import plan_placement
 
     full = load_config(RECIPES / "alfworld/qwen2.5-7b-instruct-lora.yaml", ["model.lora.enabled=false",
                                                                               "algorithm.use_kl_loss=true"])

@@ -63,7 +63,7 @@ def test_the_engine_reads_the_rollout_section(tmp_path):
 
 def test_new_recipe_keys_reach_their_components(tmp_path):
     from megatron_gigpo.actor.config import ActorConfig
-    from megatron_gigpo.memory import estimate_memory  # noqa: F401 - reads trainer.logprob_chunk_size
+    from megatron_gigpo.cluster.memory import estimate_memory  # noqa: F401 - reads trainer.logprob_chunk_size
 
     cfg = load_config(RECIPES / "smoke/cpu.yaml", ["trainer.logprob_chunk_size=256", "trainer.shuffle=false",
                                                    "trainer.sequence_packing=true", "algorithm.policy_loss=nll"])
@@ -87,7 +87,7 @@ def test_each_environment_registers_its_section():
 
 
 def test_webshop_catalog_files_and_spacy_model_reach_the_environment(tmp_path):
-    from megatron_gigpo.env_settings import check_env_resources, env_kwargs, load_task_list
+    from megatron_gigpo.envs.registry import check_env_resources, env_kwargs, load_task_list
     from megatron_gigpo.envs.registry import make_env
     from megatron_gigpo.envs.webshop.synthetic import write_synthetic_webshop_data
 

@@ -1,11 +1,11 @@
-"""A capped validation split covers every task kind (env_settings.validation_subset), on the real shared
+"""A capped validation split covers every task kind (envs.registry.validation_subset), on the real shared
 ALFWorld games and search-QA question files."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_gigpo.env_settings import validation_subset
+from megatron_gigpo.envs.registry import validation_subset
 from megatron_gigpo.envs.base import Task
 
 pytestmark = pytest.mark.unit

@@ -19,7 +19,7 @@ import ray
 
 from megatron_gigpo.builders import init_ray
 from megatron_gigpo.config import load_config
-from megatron_gigpo.ray_setup import local_ray_env
+from megatron_gigpo.cluster.ray_setup import local_ray_env
 
 ROOT = Path(__file__).resolve().parents[2]
 # A plain ray.init(address=...) with no token anywhere: RAY_AUTH_MODE and token variables removed by the caller.

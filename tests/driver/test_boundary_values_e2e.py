@@ -5,7 +5,7 @@ import pytest
 from test_train_e2e import _run, tiny_qwen2  # noqa: F401 - the fixture is used by name
 
 from megatron_gigpo.config import load_config
-from megatron_gigpo.metrics import read_metrics
+from megatron_gigpo.run.metrics import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow]
 

@@ -18,7 +18,7 @@ from cli_runs import run_cli
 from test_train_e2e import ONE_RANK
 
 from megatron_gigpo.actor.checkpoint_layout import complete_checkpoints
-from megatron_gigpo.metrics import read_metrics
+from megatron_gigpo.run.metrics import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow]
 

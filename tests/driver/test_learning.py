@@ -59,7 +59,7 @@ from pathlib import Path
 import pytest
 from cli_runs import run_cli
 
-from megatron_gigpo.metrics import read_metrics
+from megatron_gigpo.run.metrics import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow]
 

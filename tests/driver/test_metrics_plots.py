@@ -7,7 +7,7 @@ from tb_events import tensorboard_scalars
 
 from megatron_gigpo.cli import main
 from megatron_gigpo.config import load_config
-from megatron_gigpo.metrics import MetricsLogger, read_metrics
+from megatron_gigpo.run.metrics import MetricsLogger, read_metrics
 
 pytestmark = pytest.mark.unit
 

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.integration
 def test_rank_worker_uses_the_driver_thread_count():
     import ray
 
-    from megatron_gigpo.actor_group import ActorWorker
-    from megatron_gigpo.ray_setup import local_ray_env
+    from megatron_gigpo.actor.group import ActorWorker
+    from megatron_gigpo.cluster.ray_setup import local_ray_env
 
     with local_ray_env() as env:
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})

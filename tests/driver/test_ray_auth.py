@@ -1,4 +1,4 @@
-"""megatron_gigpo.ray_setup without starting Ray: the per-run token file, the opt-out and the errors that say
+"""megatron_gigpo.cluster.ray_setup without starting Ray: the per-run token file, the opt-out and the errors that say
 how to supply a token."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gigpo.ray_setup import AUTH_KNOB, RayAuthError, connect_ray, local_ray_env, ray_auth_mode
+from megatron_gigpo.cluster.ray_setup import AUTH_KNOB, RayAuthError, connect_ray, local_ray_env, ray_auth_mode
 
 pytestmark = pytest.mark.unit
 

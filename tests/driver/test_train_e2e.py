@@ -11,7 +11,7 @@ from cli_runs import run_cli
 from tb_events import tensorboard_scalars
 
 from megatron_gigpo.actor.checkpoint_layout import complete_checkpoints
-from megatron_gigpo.metrics import read_metrics
+from megatron_gigpo.run.metrics import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow]
 

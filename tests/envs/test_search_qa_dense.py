@@ -181,7 +181,7 @@ def test_adopt_rejects_mismatched_files(tmp_path: Path, dense_corpus: list[Passa
 @pytest.mark.unit
 def test_preflight_names_missing_dense_index_and_the_adopt_command(tmp_path: Path):
     from megatron_gigpo.config import load_config
-    from megatron_gigpo.env_settings import check_env_resources
+    from megatron_gigpo.envs.registry import check_env_resources
 
     recipe = REPO / "recipes" / "search_qa" / "qwen2.5-3b-instruct.yaml"
     cfg = load_config(recipe, ["env.search.retriever=dense", f"env.search.index_path={tmp_path / 'wiki18_e5'}"])

@@ -288,7 +288,7 @@ def _recipe_env(shared_dir: Path, url: str):
 
 @pytest.mark.unit
 def test_preflight_reports_an_unreachable_server(shared_dir: Path):
-    from megatron_gigpo.env_settings import check_env_resources
+    from megatron_gigpo.envs.registry import check_env_resources
 
     url = f"http://127.0.0.1:{_free_port()}/retrieve"
     env = _recipe_env(shared_dir, url)
@@ -303,7 +303,7 @@ def test_preflight_reports_an_unreachable_server(shared_dir: Path):
 def test_recipe_episode_over_http(
     shared_dir: Path, search_http_url: str, search_qa_passages: dict[str, Passage]
 ):
-    from megatron_gigpo.env_settings import check_env_resources, env_kwargs
+    from megatron_gigpo.envs.registry import check_env_resources, env_kwargs
     from megatron_gigpo.envs import registry
 
     env_cfg = _recipe_env(shared_dir, search_http_url)

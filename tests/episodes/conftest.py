@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gigpo.ray_setup import local_ray_env
+from megatron_gigpo.cluster.ray_setup import local_ray_env
 
 HERE = Path(__file__).resolve().parent
 

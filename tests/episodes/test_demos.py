@@ -12,7 +12,7 @@ import pytest
 from megatron_gigpo.config import ConfigError, load_config
 from megatron_gigpo.demos import DemoError, ExpertUnavailable, demo_tasks, expert_env_names, make_expert, write_demos
 from megatron_gigpo.demos.writer import EXPLORE_REASONING
-from megatron_gigpo.env_settings import load_task_list
+from megatron_gigpo.envs.registry import load_task_list
 from megatron_gigpo.envs.expert import Expert, ExpertMove
 from megatron_gigpo.envs.recipe import EnvRecipe
 from megatron_gigpo.envs.sokoban import SokobanEnv, load_tasks

@@ -13,7 +13,7 @@ from megatron_gigpo.config import RolloutConfig, load_config
 from megatron_gigpo.demos import Expert, ExpertMove, ExpertUnavailable, demo_tasks, write_demos
 from megatron_gigpo.envs.alfworld import ALFWORLD_READ_ONLY, ALFWORLD_READ_ONLY_PREFIXES
 from megatron_gigpo.demos.writer import play_episode
-from megatron_gigpo.env_settings import env_kwargs, load_task_list
+from megatron_gigpo.envs.registry import env_kwargs, load_task_list
 from megatron_gigpo.envs.registry import make_env
 from megatron_gigpo.episodes.prompts import StepPromptState, step_prompt_renderer
 

@@ -1,4 +1,4 @@
-"""The per-GPU memory estimate (megatron_gigpo.memory): parameter counts against a tiny Hugging Face model's
+"""The per-GPU memory estimate (megatron_gigpo.cluster.memory): parameter counts against a tiny Hugging Face model's
 tensors and the published model sizes, and the documented formula on a recipe. The optimizer and gradient
 bytes are checked against real Megatron ranks in test_memory_megatron.py."""
 
@@ -10,7 +10,7 @@ import pytest
 from tiny_models import make_tiny_hf_model
 
 from megatron_gigpo.config import load_config
-from megatron_gigpo.memory import (
+from megatron_gigpo.cluster.memory import (
     GIB,
     estimate_memory,
     format_memory,
@@ -19,8 +19,8 @@ from megatron_gigpo.memory import (
     policy_hf_config,
     rank_parameter_count,
 )
-from megatron_gigpo.model_specs import KNOWN_MODELS
-from megatron_gigpo.placement import plan_placement
+from megatron_gigpo.models.specs import KNOWN_MODELS
+from megatron_gigpo.cluster.placement import plan_placement
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Optimizer, gradient and parameter bytes of the memory estimate (megatron_gigpo.memory) against real Megatron
+"""Optimizer, gradient and parameter bytes of the memory estimate (megatron_gigpo.cluster.memory) against real Megatron
 ranks: a tiny Qwen2 model in bfloat16 on two gloo ranks, at DP2 without and with the distributed optimizer and
 at PP2."""
 
@@ -11,7 +11,7 @@ import pytest
 from multiproc import spawn
 from tiny_models import make_tiny_hf_model
 
-from megatron_gigpo.memory import optimizer_bytes_per_param, rank_parameter_count
+from megatron_gigpo.cluster.memory import optimizer_bytes_per_param, rank_parameter_count
 
 pytestmark = pytest.mark.multiprocess
 

@@ -1,5 +1,5 @@
 """The placement plan: `validate --plan` on every shipped recipe, the plan's invariants, and refusals that name
-the numbers (megatron_gigpo.placement)."""
+the numbers (megatron_gigpo.cluster.placement)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from megatron_gigpo.cli import main
 from megatron_gigpo.config import ConfigError, load_config
-from megatron_gigpo.placement import ClusterShape, PlacementError, format_plan, placement_errors, plan_placement
+from megatron_gigpo.cluster.placement import ClusterShape, PlacementError, format_plan, placement_errors, plan_placement
 
 pytestmark = pytest.mark.unit
 
@@ -176,7 +176,7 @@ def test_the_plan_is_pure_and_printed_with_its_total():
 
 
 def test_engines_on_other_nodes_get_the_weights_through_their_nodes_leader(capsys):
-    from megatron_gigpo.placement import WeightRelay, format_weight_sync, weight_relays
+    from megatron_gigpo.cluster.placement import WeightRelay, format_weight_sync, weight_relays
 
     recipe = RECIPES / "search_qa/qwen2.5-7b-instruct.yaml"
     plan = plan_placement(load_config(recipe))
@@ -204,7 +204,7 @@ def test_engines_on_other_nodes_get_the_weights_through_their_nodes_leader(capsy
 def test_a_same_node_transport_that_cannot_reach_an_engine_is_refused_naming_the_keys():
     import dataclasses
 
-    from megatron_gigpo.placement import relay_errors
+    from megatron_gigpo.cluster.placement import relay_errors
 
     plan = plan_placement(load_config(RECIPES / "search_qa/qwen2.5-7b-instruct.yaml"))
     assert relay_errors(plan) == []

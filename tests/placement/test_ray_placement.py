@@ -3,8 +3,8 @@
 Two Ray nodes on this machine (``ray start --num-gpus=8``: Ray advertises GPUs that do not exist, and assigns
 them like real ones; the second node on its own loopback address, as the Slurm tests emulate nodes). For each
 distinct plan among the recipes (recipes with the same layout share one), the run's own placement code
-(:func:`~megatron_gigpo.placement.create_placement_groups`, :func:`~megatron_gigpo.placement.slot_options`,
-:func:`~megatron_gigpo.placement.engine_options`) starts lightweight stand-in actors for the actor ranks and
+(:func:`~megatron_gigpo.cluster.placement.create_placement_groups`, :func:`~megatron_gigpo.cluster.placement.slot_options`,
+:func:`~megatron_gigpo.cluster.placement.engine_options`) starts lightweight stand-in actors for the actor ranks and
 engines — TP > 1 engines start their workers as vLLM's Ray executor does — and each reports its Ray node, its
 placement group and bundle, and ``CUDA_VISIBLE_DEVICES``, which must be exactly what the plan says. All of a
 plan's actors hold their shares at the same time, so a plan that over-books a bundle would not be placed.
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from megatron_gigpo.config import load_config
-from megatron_gigpo.placement import (
+from megatron_gigpo.cluster.placement import (
     PlacementPlan,
     create_placement_groups,
     engine_options,

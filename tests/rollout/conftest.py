@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gigpo.ray_setup import local_ray_env
+from megatron_gigpo.cluster.ray_setup import local_ray_env
 from tiny_models import make_tiny_hf_model
 
 HERE = Path(__file__).resolve().parent

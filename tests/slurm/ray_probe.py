@@ -21,7 +21,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from megatron_gigpo.ray_setup import connect_ray
+from megatron_gigpo.cluster.ray_setup import connect_ray
 
 
 @ray.remote(num_cpus=1)

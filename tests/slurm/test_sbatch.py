@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_gigpo.metrics import read_metrics
+from megatron_gigpo.run.metrics import read_metrics
 from slurm_jobs import (
     REPO, JobResult, job_paths, remove_ray_dirs, submit, wait_job, wait_no_ray_processes, wait_output_line,
 )
@@ -132,7 +132,7 @@ if sys.argv[1] == "plain":
     ray.init(address=sys.argv[2], logging_level="ERROR")
     ray.get(ray.remote(lambda: 1).remote(), timeout=60)
 else:
-    from megatron_gigpo.ray_setup import connect_ray
+    from megatron_gigpo.cluster.ray_setup import connect_ray
     connect_ray(sys.argv[2], logging_level="ERROR")
 print("CONNECTED", flush=True)
 """

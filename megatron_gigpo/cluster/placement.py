@@ -483,7 +483,7 @@ def create_placement_groups(plan: PlacementPlan, *, timeout_s: float = 600.0) ->
     started = time.monotonic()  # every group's wait ends timeout_s after this
     try:
         for n, group in enumerate(groups):
-            wait_placement_group(group, timeout_s, f"placement group of the run's node {n} (megatron_gigpo.placement)",
+            wait_placement_group(group, timeout_s, f"placement group of the run's node {n} (megatron_gigpo.cluster.placement)",
                                  started_at=started)
     except BaseException:
         remove_placement_groups(groups)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_gigpo.metrics import read_metrics
+from megatron_gigpo.run.metrics import read_metrics
 
 HIST_PREFIX = "step_group/hist_"  # bucketed step-group size counts written by the episode collector
 

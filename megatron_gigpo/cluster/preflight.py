@@ -42,7 +42,7 @@ def _check_model(cfg: Config) -> list[str]:
 
 
 def _check_devices(cfg: Config, cluster_resources: dict[str, float] | None) -> list[str]:
-    from megatron_gigpo.placement import plan_placement
+    from megatron_gigpo.cluster.placement import plan_placement
 
     t = cfg.trainer
     if t.device == "cpu":
@@ -77,7 +77,7 @@ def preflight(cfg: Config, cluster_resources: dict[str, float] | None = None, *,
     Raises:
         PreflightError: listing every problem found.
     """
-    from megatron_gigpo.env_settings import check_env_resources
+    from megatron_gigpo.envs.registry import check_env_resources
 
     problems = _check_devices(cfg, cluster_resources)
     problems += _check_model(cfg)

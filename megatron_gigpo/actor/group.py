@@ -2,7 +2,7 @@
 
 Each :class:`ActorWorker` is one torch.distributed rank holding a
 :class:`megatron_gigpo.actor.policy.PolicyActor`. :class:`ActorGroup` places the ranks where the run's
-placement plan says (:mod:`megatron_gigpo.placement`: one bundle per rank, a GPU or a CPU slot on the CPU path),
+placement plan says (:mod:`megatron_gigpo.cluster.placement`: one bundle per rank, a GPU or a CPU slot on the CPU path),
 wires the process group (``MASTER_ADDR``/``MASTER_PORT`` of rank 0) and broadcasts every call to all ranks,
 since every Megatron operation is a collective. Results come from the rank the policy documents (the last pipeline stage's
 first rank for log-probs and losses).
@@ -73,7 +73,7 @@ class ActorGroup:
     Args:
         cfg: the per-rank actor settings (same on every rank).
         rank_options: one ``.options()`` dict per rank (index = rank; CPU / GPU request and placement-group
-            scheduling: :func:`megatron_gigpo.placement.slot_options`); the world size is its length.
+            scheduling: :func:`megatron_gigpo.cluster.placement.slot_options`); the world size is its length.
         env_vars: environment of the rank processes (e.g. thread counts).
         start_timeout_s: deadline of the start (placement of the rank actors, process group, model build and
             weight load), seconds.

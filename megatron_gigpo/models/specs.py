@@ -1,7 +1,7 @@
 """Architecture facts of the models the recipes name, so recipes validate and plan without the weights.
 
 :data:`KNOWN_MODELS` holds, per model id, the subset of its Hugging Face ``config.json`` that the layout checks
-(:mod:`megatron_gigpo.config`) and the memory estimate (:mod:`megatron_gigpo.memory`) read. A local model
+(:mod:`megatron_gigpo.config`) and the memory estimate (:mod:`megatron_gigpo.cluster.memory`) read. A local model
 directory is read from its own ``config.json`` instead (:func:`hf_config_for`). Sources: each model's
 ``config.json`` on the Hugging Face hub (Qwen/Qwen2.5-*-Instruct, HuggingFaceTB/SmolLM2-135M-Instruct).
 """

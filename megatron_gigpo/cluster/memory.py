@@ -40,8 +40,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from megatron_gigpo.config import Config
-from megatron_gigpo.model_specs import hf_config_for, padded_vocab_size
-from megatron_gigpo.placement import PlacementPlan
+from megatron_gigpo.models.specs import hf_config_for, padded_vocab_size
+from megatron_gigpo.cluster.placement import PlacementPlan
 
 __all__ = [
     "GPUMemory", "hf_parameter_count", "rank_parameter_count", "lora_rank_parameter_count",
@@ -161,7 +161,7 @@ def estimate_memory(cfg: Config, plan: PlacementPlan, hf: dict[str, Any],
     """One :class:`GPUMemory` per GPU of ``plan`` (a GPU plan), in node / GPU order.
 
     Args:
-        cfg: the recipe; plan: its :func:`~megatron_gigpo.placement.plan_placement`; hf: the policy's
+        cfg: the recipe; plan: its :func:`~megatron_gigpo.cluster.placement.plan_placement`; hf: the policy's
             config.json (:func:`policy_hf_config`); gpu_memory_gib: memory G of one GPU (vLLM's share is u x G).
     """
     p, r = cfg.parallel, cfg.rollout
@@ -200,7 +200,7 @@ def format_memory(rows: list[GPUMemory], gpu_memory_gib: float) -> str:
     head = (f"{'node':>4} {'GPU':>3} {'rank':>4} {'weights':>7} {'ref':>6} {'grads':>6} {'optim':>6} "
             f"{'optim':>6} {'lp-chunk':>8} {'vLLM':>6} {'vLLM-w':>6} {'KV':>6} {'peak':>6}  verdict")
     sub = f"{'':>4} {'':>3} {'':>4} {'':>7} {'':>6} {'':>6} {'dist':>6} {'repl':>6}"
-    lines = [f"memory per GPU (GiB, estimate; megatron_gigpo/memory.py), against {gpu_memory_gib:g} GiB:", head, sub]
+    lines = [f"memory per GPU (GiB, estimate; megatron_gigpo/cluster/memory.py), against {gpu_memory_gib:g} GiB:", head, sub]
     over = 0
     for m in rows:
         def gib(x: int) -> str:

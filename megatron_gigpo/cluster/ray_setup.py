@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from megatron_gigpo.preflight import PreflightError
+from megatron_gigpo.cluster.preflight import PreflightError
 
 log = logging.getLogger(__name__)
 
