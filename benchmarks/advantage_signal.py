@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def collect(recipe: str, model: str, batches: int, overrides: list[str]) -> list[dict]:
     """``batches`` training batches from ``model``: prompt and response ids, GiGPO / GRPO / oracle advantages."""
-    from megatron_gigpo.algo.advantages import compute_advantages, from_training_batch
+    from megatron_gigpo.algo.advantages import compute_advantages
     from megatron_gigpo.builders import RunContext
     from megatron_gigpo.config import load_config
     from megatron_gigpo.envs.sokoban_solver import optimal_moves
@@ -55,7 +55,7 @@ def collect(recipe: str, model: str, batches: int, overrides: list[str]) -> list
             batch, metrics = run.collect_train_batch(it)
             best = {grid: optimal_moves(grid) for grid in set(batch.anchor)}  # states recur across rows
             optimal = np.array([a in best[g] for a, g in zip(batch.extras["actions"], batch.anchor)], float)
-            adv = {est: compute_advantages(est, from_training_batch(batch), cfg.algorithm).advantage.double()
+            adv = {est: compute_advantages(est, batch.advantage_inputs(), cfg.algorithm).advantage.double()
                    for est in ("gigpo", "grpo")}
             adv["oracle"] = torch.from_numpy(optimal - optimal.mean())
             out.append({"prompt_ids": batch.prompt_ids, "response_ids": batch.response_ids, "adv": adv})

@@ -12,6 +12,13 @@ Run from the repository root::
     python benchmarks/envs.py --envs sokoban --rounds 50
     python benchmarks/envs.py --es-url http://127.0.0.1:9200 --dense-model /path/to/encoder
 
+Every environment is set up the same way, from its registry recipe (``megatron_gigpo.envs.registry.env_recipe``):
+an ``env`` section with the recipe defaults, the environment's own step limit (``EnvRecipe.step_limit``) and
+``env.data_dir`` from ``--<name>-data-dir``, else from the environment's sample-data generator
+(``EnvRecipe.sample_data``: WebShop's 1,000 generated products), else ``../shared/data/<name>`` beside the
+checkout when it exists; then its ``env_kwargs`` and its train task list (the val list where only val data is
+present, as in the shared ALFWorld games). An environment that cannot start here is a row with a note.
+
 (*) ALFWorld and the retrieval part read ``--alfworld-data-dir`` / ``--corpus`` / ``--queries``, by default the
 ``../shared/data`` folder beside the checkout when it exists; missing inputs skip that row with a note.
 """
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import random
+import re
 import sys
 import tempfile
 import time
@@ -30,10 +38,19 @@ from typing import Any
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
+# An admissible action holding a <...> placeholder is a template (WebShop's search bar: search[<your query>]).
+_PLACEHOLDER = re.compile(r"<[^<>]*>")
+
+
 def random_action(env_name: str, admissible: list[str] | None, task_description: str, rng: random.Random) -> str:
-    """A random admissible action; on WebShop's search page, a search for the instruction."""
-    if env_name == "webshop" and admissible and admissible[0].startswith("search["):
-        return f"search[{task_description}]"
+    """A random admissible action; when the first admissible action is a template (a search bar), that template
+    with the task description in its placeholder (a search for the instruction).
+
+    Raises:
+        ValueError: no admissible actions (the message names ``env_name``).
+    """
+    if admissible and _PLACEHOLDER.search(admissible[0]):
+        return _PLACEHOLDER.sub(lambda _: task_description, admissible[0])
     if not admissible:
         raise ValueError(f"{env_name}: no admissible actions to sample from")
     return rng.choice(admissible)
@@ -114,7 +131,8 @@ def bench_env(env_name: str, env_kwargs: dict, tasks: list, num_envs: int, round
 
 def bench_retrievers(corpus: Path, queries_file: Path, args: argparse.Namespace) -> list[dict]:
     """Queries/s of each retriever backend that can be built here."""
-    from megatron_gigpo.envs.search_qa import build_retriever, read_qa_file
+    from megatron_gigpo.envs.search_qa.backends import build_retriever
+    from megatron_gigpo.envs.search_qa.datasets import read_qa_file
 
     questions = [r.question for r in read_qa_file(queries_file)][: args.num_queries]
     rows = []
@@ -161,29 +179,46 @@ def _load_es_index(url: str, index: str, corpus: Path) -> None:
         client.close()
 
 
-def _env_setups(args: argparse.Namespace, tmp: Path) -> list[tuple[str, dict, list] | tuple[str, str]]:
-    from megatron_gigpo.envs.registry import load_tasks
-    from megatron_gigpo.envs.webshop.synthetic import write_synthetic_webshop_data
+def _data_dir(name: str, args: argparse.Namespace, tmp: Path) -> Path | None:
+    """``env.data_dir`` of environment ``name``: ``--<name>-data-dir``, else sample data generated under ``tmp``
+    (``EnvRecipe.sample_data``), else ``../shared/data/<name>`` when it exists, else None."""
+    from megatron_gigpo.envs.registry import env_recipe
 
-    setups: list = []
-    for name in args.envs:
-        if name == "sokoban":
-            setups.append(("sokoban", {}, load_tasks("sokoban", "train", num_tasks=1000)))
-        elif name == "webshop":
-            data_dir = args.webshop_data_dir
-            if data_dir is None:
-                data_dir = tmp / "webshop"
-                write_synthetic_webshop_data(data_dir, num_products=1000, seed=0)
-            kwargs = {"data_dir": str(data_dir)}
-            setups.append(("webshop", kwargs, load_tasks("webshop", "train", **kwargs)))
-        elif name == "alfworld":
-            data_dir = args.alfworld_data_dir or SHARED_DATA / "alfworld"
-            if not Path(data_dir).is_dir():
-                setups.append(("alfworld", f"skipped: no ALFWorld data at {data_dir}"))
-                continue
-            kwargs = {"data_dir": str(data_dir)}
-            setups.append(("alfworld", kwargs, load_tasks("alfworld", "val", data_dir=data_dir)))
-    return setups
+    chosen = getattr(args, f"{name}_data_dir")
+    sample_data = env_recipe(name).sample_data
+    if chosen is None and sample_data is not None:
+        chosen = tmp / name
+        sample_data(chosen)
+    elif chosen is None and (SHARED_DATA / name).is_dir():
+        chosen = SHARED_DATA / name
+    return chosen
+
+
+def env_setup(name: str, args: argparse.Namespace, tmp: Path) -> tuple[str, dict, list] | tuple[str, str]:
+    """``(name, make_env kwargs, tasks)`` of a registered environment, from its recipe hooks and an ``env`` section
+    with the recipe defaults, or ``(name, note)`` when it cannot start here.
+
+    ``tasks`` is the train task list (the val list when the train data is missing), cut to the
+    ``num_envs * (rounds + 1)`` tasks a run can reach.
+    """
+    from megatron_gigpo.config import EnvConfig
+    from megatron_gigpo.envs.registry import env_recipe
+
+    recipe = env_recipe(name)
+    data_dir = _data_dir(name, args, tmp)
+    env = EnvConfig(name=name, data_dir=None if data_dir is None else str(data_dir))
+    if recipe.step_limit is not None:
+        env.max_steps = recipe.step_limit
+    try:
+        kwargs = recipe.env_kwargs(env)
+        try:
+            tasks = recipe.task_list(env, "train")
+        except FileNotFoundError:
+            tasks = recipe.task_list(env, "val")
+    except (FileNotFoundError, ValueError) as exc:
+        flag = f" (--{name.replace('_', '-')}-data-dir)" if data_dir is None else ""
+        return name, f"skipped: {exc}{flag}"
+    return name, kwargs, tasks[: args.num_envs * (args.rounds + 1)]
 
 
 def _print_rows(title: str, rows: list[dict]) -> None:
@@ -193,13 +228,16 @@ def _print_rows(title: str, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_gigpo.envs.registry import ENVIRONMENTS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--envs", nargs="+", default=["sokoban", "webshop", "alfworld"])
+    parser.add_argument("--envs", nargs="+", default=["sokoban", "webshop", "alfworld"], choices=list(ENVIRONMENTS))
     parser.add_argument("--num-envs", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=20, help="steps per environment")
     parser.add_argument("--procs", type=int, default=2)
-    parser.add_argument("--alfworld-data-dir", type=Path, default=None)
-    parser.add_argument("--webshop-data-dir", type=Path, default=None)
+    for name in ENVIRONMENTS:
+        parser.add_argument(f"--{name.replace('_', '-')}-data-dir", dest=f"{name}_data_dir", type=Path, default=None,
+                            help=f"env.data_dir of {name}, for an environment that reads a data folder")
     parser.add_argument("--corpus", type=Path, default=SHARED_DATA / "search_qa" / "wiki18_sample_1000.jsonl")
     parser.add_argument("--queries", type=Path, default=SHARED_DATA / "search_qa" / "nq_test_1k.jsonl")
     parser.add_argument("--num-queries", type=int, default=500)
@@ -210,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         env_rows = []
-        for setup in _env_setups(args, Path(tmp)):
+        for setup in (env_setup(name, args, Path(tmp)) for name in args.envs):
             if len(setup) == 2:
                 env_rows.append({"env": setup[0], "note": setup[1]})
                 continue

@@ -63,7 +63,8 @@ class BenchRank:
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
                           MASTER_ADDR=addr, MASTER_PORT=str(port))
         from megatron_gigpo.actor import distributed
-        from megatron_gigpo.models import build_gpt_model, load_hf_config, load_hf_weights
+        from megatron_gigpo.models.builder import build_gpt_model, load_hf_config
+        from megatron_gigpo.models.weights import load_hf_weights
 
         distributed.initialize(tp, pp, seed=1)
         self.model = build_gpt_model(load_hf_config(model_dir))
@@ -71,7 +72,7 @@ class BenchRank:
         return sum(p.numel() for p in self.model.parameters())
 
     def push_weights(self, plan):
-        from megatron_gigpo.models import export_hf_weights
+        from megatron_gigpo.models.weights import export_hf_weights
         from megatron_gigpo.rollout.weight_sync import push_weights
 
         buckets = export_hf_weights(self.model, bucket_size_bytes=plan.bucket_size_bytes,
@@ -135,7 +136,7 @@ def bench_sync(name: str, model_dir: Path, tp: int, pp: int, args) -> dict[str, 
         for version in range(1, args.repeats + 2):  # the first sync warms up (Ray, broadcast, allocator)
             tick = time.perf_counter()
             metrics = sync_weights(ranks, [engine], version=version, bucket_size_bytes=args.bucket_mb << 20,
-                                   timeout_s=args.timeout_s)
+                                   transport="shm", timeout_s=args.timeout_s)  # a colocated CPU plan's transport
             metrics["wall_s"] = time.perf_counter() - tick
             if version > 1:
                 rows.append(metrics)

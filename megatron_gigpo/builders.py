@@ -79,6 +79,21 @@ def start_ray(cfg: Config, stack: contextlib.ExitStack, *, check_env: bool = Tru
     return resources
 
 
+def actor_config(cfg: Config, model_dir: str | Path):
+    """The RL actor of recipe ``cfg`` with its model at ``model_dir`` (the resolved ``model.path``): an
+    :class:`~megatron_gigpo.actor.config.ActorConfig` holding the recipe's ``parallel``, ``optim``, ``algorithm``
+    (as the loss), ``trainer`` and ``model.lora`` sections whole, in ``model.params_dtype(trainer.device)``."""
+    from megatron_gigpo.actor.config import ActorConfig
+
+    return ActorConfig(
+        model_path=str(model_dir),
+        params_dtype=cfg.model.params_dtype(cfg.trainer.device),
+        temperature=cfg.rollout.temperature,
+        lr_decay_steps=max(1, cfg.trainer.total_iterations),
+        parallel=cfg.parallel, optim=cfg.optim, loss=cfg.algorithm, trainer=cfg.trainer, lora=cfg.model.lora,
+    )
+
+
 def start_actor_group(cfg: Config, actor_cfg, stack: contextlib.ExitStack, *, wait: bool = True):
     """The Megatron actor ranks of ``cfg``'s layout, placed as the run's placement plan says
     (:func:`megatron_gigpo.cluster.placement.plan_placement`, the plan ``validate --plan`` prints), built from
@@ -213,7 +228,6 @@ class RunContext(StartedStack):
 
     # ---------------------------------------------------------------- lifetime
     def _start(self) -> None:
-        from megatron_gigpo.actor.config import ActorConfig
         from megatron_gigpo.envs.registry import load_task_list, validation_subset
         from megatron_gigpo.run.metrics import MetricsLogger
         from megatron_gigpo.models.random_init import resolve_model
@@ -222,7 +236,7 @@ class RunContext(StartedStack):
         start_ray(cfg, self._stack)
         model_dir = resolve_model(cfg.model)
         # Where every rank, engine and vLLM worker runs: the plan `validate --plan` prints (megatron_gigpo.cluster.placement).
-        actor_cfg = ActorConfig.from_recipe(cfg, model_dir)
+        actor_cfg = actor_config(cfg, model_dir)
         self.plan, self.placement_groups, self.actors = start_actor_group(cfg, actor_cfg, self._stack, wait=False)
         # CPU: the engines start while the ranks build and this process loads the tokenizer (each start is mostly
         # single-threaded imports, vLLM's the longest; a two-iteration run of the tests' tiny model on 2 cores:
@@ -311,10 +325,11 @@ class RunContext(StartedStack):
         from megatron_gigpo.cluster.placement import weight_relays
         from megatron_gigpo.rollout.weight_sync import sync_weights
 
-        # Engines on other nodes than rank 0's get the weights through their node's leader rank (the plan's relay).
+        # The plan's transport; engines on other nodes than rank 0's get the weights through their node's leader rank
+        # (the plan's relays).
         metrics = sync_weights(self.actors, self.engines, version=version,
-                               bucket_size_bytes=self.cfg.rollout.bucket_size_mb << 20,
-                               mode=self.cfg.rollout.weight_sync_mode,
+                               bucket_size_bytes=self.cfg.rollout.bucket_size_mb << 20, transport=self.plan.transport,
+                               backend=self.plan.collective_backend,
                                timeout_s=self.cfg.trainer.timeouts.weight_sync_s, relays=weight_relays(self.plan))
         # A float fingerprint of what the engines now serve (the full checksum is checked inside the sync).
         _, checksum = self.engines.weights_version()[0]
@@ -438,7 +453,7 @@ def _build_engines(cfg: Config, model_dir: Path, plan, groups, *, wait: bool = T
     from megatron_gigpo.rollout.engine import RolloutEngineGroup
 
     return RolloutEngineGroup(
-        str(model_dir), cfg.rollout, dtype="float32" if cfg.trainer.device == "cpu" else cfg.model.dtype,
+        str(model_dir), cfg.rollout, dtype=cfg.model.params_dtype(cfg.trainer.device),
         ray_options=[engine_options(groups, e) for e in plan.engines], timeouts=cfg.trainer.timeouts,
         distributed_executor_backend=plan.engines[0].executor, seed=cfg.trainer.seed,
         num_cpus=plan.engines[0].host.num_cpus, wait=wait,

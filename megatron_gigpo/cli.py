@@ -111,7 +111,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def _cmd_demos(args: argparse.Namespace) -> int:
     from megatron_gigpo.config import load_config
-    from megatron_gigpo.demos import write_demos
+    from megatron_gigpo.demos.writer import write_demos
 
     cfg = load_config(args.recipe, args.overrides)
     d = cfg.sft.demos  # the recipe's values, unless a flag overrides them
@@ -137,7 +137,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     """The converters of tools/convert_*.py; multi-process: ``torchrun ... -m megatron_gigpo.cli convert ...``."""
-    from megatron_gigpo.models.convert import main_hf_to_megatron, main_megatron_to_hf
+    from megatron_gigpo.actor.convert import main_hf_to_megatron, main_megatron_to_hf
 
     main_fn = main_hf_to_megatron if args.direction == "hf-to-megatron" else main_megatron_to_hf
     return main_fn(args.tool_args)

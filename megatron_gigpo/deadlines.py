@@ -5,7 +5,7 @@ raises the first remote error as soon as it arrives (``ray.get`` of a list would
 When the deadline passes it raises :class:`DeadlineError`, whose message names the wait, each call that did not
 answer (its label, the Ray actor class and id, the node IP and process id, or that the actor was never placed
 because no node had its resources) and how long it waited. The recipe's deadlines live in
-``trainer.timeouts`` (:class:`megatron_gigpo.config.TimeoutsConfig`).
+``trainer.timeouts`` (:class:`megatron_gigpo.run.config.TimeoutsConfig`).
 
 Node and state come from Ray's GCS actor table (``ray._private.state.actors``; no dashboard needed); where that
 is unavailable the message says so instead of failing.

@@ -26,7 +26,7 @@ def train(cfg: Config) -> dict[str, float]:
     PreflightError before starting anything when the machine lacks what the recipe needs.
     """
     from megatron_gigpo.actor.batching import update_is_on_policy
-    from megatron_gigpo.algo.advantages import compute_advantages, from_training_batch
+    from megatron_gigpo.algo.advantages import compute_advantages
     from megatron_gigpo.builders import RunContext
 
     with RunContext(cfg) as run:  # preflight, Ray, actor ranks, engines, environment workers, logger
@@ -53,7 +53,7 @@ def train(cfg: Config) -> dict[str, float]:
                 with timer("ref_log_prob"):
                     ref_log_probs = run.actors.compute_log_probs(batch, reference=True)
             with timer("advantage"):
-                adv = compute_advantages(cfg.algorithm.adv_estimator, from_training_batch(batch), cfg.algorithm)
+                adv = compute_advantages(cfg.algorithm.adv_estimator, batch.advantage_inputs(), cfg.algorithm)
             with timer("update"):
                 update_metrics, old_log_probs = run.actors.update(batch, adv.advantage, old_log_probs, ref_log_probs)
                 metrics |= update_metrics

@@ -1,6 +1,8 @@
 """Settings that carry their own check: the allowed range of a number or the valid values of a string, stated
 next to the default in the dataclass field (``field(metadata=...)``), and one generic checker for a whole tree of
-such dataclasses (used by :func:`megatron_gigpo.config.validate_config` on the recipe).
+such dataclasses (used by :func:`megatron_gigpo.config.validate_config` on the recipe). Every component declares
+its settings dataclass with these, next to the code that reads it (``algo/config.py``, ``rollout/config.py``, ...);
+:mod:`megatron_gigpo.config` only assembles the sections into the recipe tree.
 
 Example::
 
@@ -8,17 +10,27 @@ Example::
     class RolloutConfig:
         top_p: float = num(1.0, gt=0, le=1)          # refused outside (0, 1]
         weight_sync_mode: str = choice("colocated", ("colocated", "disaggregated"))
+        # the names of a registry, read when the recipe is checked (its module imports torch)
+        policy_loss: str = choice("vanilla", "megatron_gigpo.algo.losses:POLICY_LOSSES")
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import typing
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Range", "num", "choice", "field_choices", "leaf_fields", "field_errors"]
+__all__ = ["ConfigError", "MAX_SEED", "Range", "num", "choice", "field_choices", "leaf_fields", "field_errors"]
+
+
+class ConfigError(ValueError):
+    """A recipe is malformed or inconsistent. The message names the file and key."""
+
+
+MAX_SEED = 2**31 - 1  # the largest seed any section accepts (numpy and torch take 32-bit seeds)
 
 
 @dataclass(frozen=True)
@@ -60,18 +72,28 @@ def num(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSIN
                  metadata={"range": Range(ge=ge, gt=gt, le=le, lt=lt, length=length)})
 
 
-def choice(default: Any = dataclasses.MISSING, choices: tuple[str, ...] | Callable[[], Iterable[str]] = (), *,
+def choice(default: Any = dataclasses.MISSING, choices: tuple[str, ...] | str | Callable[[], Iterable[str]] = (), *,
            factory: Any = dataclasses.MISSING) -> Any:
-    """A string dataclass field (or list of strings, with ``factory``) with its valid values: a tuple, or a
-    function returning them (a registry's names, read when checked, so that the registry's module is imported
-    only then). A list is checked item by item."""
+    """A string dataclass field (or list of strings, with ``factory``) with its valid values: a tuple; or a
+    registry named ``"package.module:NAME"`` (a dict, whose keys are the names, or a tuple), imported when the
+    value is checked, so that a settings module never imports the code it configures; or a function returning
+    them. A list is checked item by item."""
     return field(default=default, default_factory=factory, metadata={"choices": choices})
 
 
 def field_choices(f: dataclasses.Field) -> tuple[str, ...] | None:
-    """The valid values of a choice field, else None."""
+    """The valid values of a choice field, else None.
+
+    Raises:
+        ImportError / AttributeError: a registry reference ``"module:NAME"`` that does not resolve.
+    """
     allowed = f.metadata.get("choices")
-    return tuple(allowed() if callable(allowed) else allowed) if allowed is not None else None
+    if allowed is None:
+        return None
+    if isinstance(allowed, str):
+        module, _, name = allowed.partition(":")
+        allowed = getattr(importlib.import_module(module), name)
+    return tuple(allowed() if callable(allowed) else allowed)
 
 
 def leaf_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any]]:

@@ -4,12 +4,12 @@
     python tools/convert_hf_to_megatron.py --hf-dir MODEL_DIR --out CKPT_DIR            # one process
 
 The checkpoint (megatron.core.dist_checkpointing, torch_dist format) loads at any TP/PP; it keeps the HF
-config and tokenizer files in CKPT_DIR/hf. See megatron_gigpo/models/convert.py.
+config and tokenizer files in CKPT_DIR/hf. See megatron_gigpo/actor/convert.py.
 """
 
 import sys
 
-from megatron_gigpo.models.convert import main_hf_to_megatron
+from megatron_gigpo.actor.convert import main_hf_to_megatron
 
 if __name__ == "__main__":  # dist_checkpointing spawns workers: keep the guard
     sys.exit(main_hf_to_megatron())

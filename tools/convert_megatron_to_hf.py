@@ -4,12 +4,12 @@
     python tools/convert_megatron_to_hf.py --megatron-dir CKPT_DIR --out HF_DIR            # one process
 
 Weights are gathered to rank 0 one safetensors shard (--max-shard-size-mb) at a time; config and tokenizer
-files come from CKPT_DIR/hf (or --hf-config-dir). See megatron_gigpo/models/convert.py.
+files come from CKPT_DIR/hf (or --hf-config-dir). See megatron_gigpo/actor/convert.py.
 """
 
 import sys
 
-from megatron_gigpo.models.convert import main_megatron_to_hf
+from megatron_gigpo.actor.convert import main_megatron_to_hf
 
 if __name__ == "__main__":  # dist_checkpointing spawns workers: keep the guard
     sys.exit(main_megatron_to_hf())

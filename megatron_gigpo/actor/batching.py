@@ -180,7 +180,7 @@ def update_is_on_policy(num_rows: int, trainer) -> bool:
 
     Args:
         num_rows: training rows of the iteration (>= 1).
-        trainer: the recipe's ``trainer`` section (:class:`megatron_gigpo.config.TrainerConfig`).
+        trainer: the recipe's ``trainer`` section (:class:`megatron_gigpo.run.config.TrainerConfig`).
 
     Raises:
         ValueError: ``num_rows < 1`` or ``ppo_mini_batch_size < 1``.

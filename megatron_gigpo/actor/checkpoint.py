@@ -170,7 +170,7 @@ def save_actor_checkpoint(
         trainer_state: the driver's picklable dict (iteration, data position, ...), identical on all ranks.
         keep_last: complete checkpoints kept after this one is in place (>= 1).
         model_sidecar: called on rank 0 with the staging folder before it is renamed into place (the HF
-            sidecar that makes the checkpoint convertible, :func:`megatron_gigpo.models.write_model_sidecar`).
+            sidecar that makes the checkpoint convertible, :func:`megatron_gigpo.models.checkpoint.write_model_sidecar`).
 
     Returns:
         The final folder ``root/iter_XXXXXXXX``.

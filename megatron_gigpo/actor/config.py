@@ -1,10 +1,13 @@
-"""What one Megatron actor rank (:class:`megatron_gigpo.actor.policy.PolicyActor`) is built from: the recipe's
-own sections, passed whole, plus the few values the driver derives at run time.
+"""The actor's settings: the recipe's ``parallel`` (:class:`ParallelConfig`) and ``optim``
+(:class:`OptimConfig`) sections, and :class:`ActorConfig`, what one Megatron actor rank
+(:class:`megatron_gigpo.actor.policy.PolicyActor`) is built from: those sections, ``algorithm`` as the policy loss,
+``trainer`` (mini-batches, token budgets, shuffling, packing, the log-prob chunk, the seed) and ``model.lora``,
+each passed whole, plus the few values the driver derives at run time
+(:func:`megatron_gigpo.builders.actor_config`).
 
-The sections are the recipe dataclasses of :mod:`megatron_gigpo.config` (``parallel``, ``optim``,
-``algorithm`` as the policy loss, ``trainer`` for mini-batches, token budgets, shuffling, packing, the
-log-prob chunk and the seed): their fields, defaults and range checks are defined there once, and
-:meth:`ActorConfig.validate` runs those same checks (:func:`megatron_gigpo.fields.field_errors`).
+Every section's fields, defaults and range checks are defined once, with the section;
+:meth:`ActorConfig.validate` runs those same checks (:func:`megatron_gigpo.fields.field_errors`). This module
+imports no torch: the recipe loader reads it.
 """
 
 from __future__ import annotations
@@ -12,23 +15,47 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from megatron_gigpo.algo.config import AlgorithmConfig
+from megatron_gigpo.fields import choice, field_errors, num
+from megatron_gigpo.models.config import PARAMS_DTYPES, LoraConfig
+from megatron_gigpo.run.config import TrainerConfig
 
-from megatron_gigpo.config import (
-    PARAMS_DTYPES,
-    AlgorithmConfig,
-    Config,
-    LoraConfig,
-    OptimConfig,
-    ParallelConfig,
-    TrainerConfig,
-)
-from megatron_gigpo.fields import field_errors
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["ActorConfig", "DTYPES"]
+__all__ = ["LR_DECAY_STYLES", "ParallelConfig", "OptimConfig", "ActorConfig"]
 
-DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in PARAMS_DTYPES}
+LR_DECAY_STYLES = ("constant", "linear", "cosine")  # Megatron OptimizerParamScheduler styles used here
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron layout of the actor. TP x PP x DP actor ranks = trainer.nnodes x trainer.devices_per_node; with
+    GPU engines in ``rollout.weight_sync_mode: disaggregated`` the engines' GPUs come out of that count
+    (:mod:`megatron_gigpo.cluster.placement`)."""
+
+    tensor_model_parallel_size: int = num(1, ge=1)
+    pipeline_model_parallel_size: int = num(1, ge=1)
+    data_parallel_size: int = num(1, ge=1)
+    use_distributed_optimizer: bool = False
+
+
+@dataclass
+class OptimConfig:
+    """Adam with decoupled weight decay and its LR schedule (Megatron ``OptimizerConfig`` +
+    ``OptimizerParamScheduler``); Megatron exempts biases and norms from weight decay."""
+
+    lr: float = num(1e-6, gt=0)
+    min_lr: float = num(0.0, ge=0)  # and <= lr
+    weight_decay: float = num(0.01, ge=0)
+    adam_beta1: float = num(0.9, ge=0, lt=1)
+    adam_beta2: float = num(0.999, ge=0, lt=1)
+    adam_eps: float = num(1e-8, gt=0)
+    clip_grad: float = num(1.0, ge=0)  # 0: no clipping
+    lr_warmup_steps: int = num(0, ge=0)  # training iterations (verl's unit); the schedule advances once per iteration
+    lr_decay_style: str = choice("constant", LR_DECAY_STYLES)  # over trainer.total_iterations
 
 
 @dataclass(frozen=True)
@@ -65,17 +92,6 @@ class ActorConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     @classmethod
-    def from_recipe(cls, cfg: Config, model_dir: str | Path) -> "ActorConfig":
-        """The RL actor of recipe ``cfg`` with its model at ``model_dir`` (the resolved ``model.path``)."""
-        return cls(
-            model_path=str(model_dir),
-            params_dtype="float32" if cfg.trainer.device == "cpu" else cfg.model.dtype,
-            temperature=cfg.rollout.temperature,
-            lr_decay_steps=max(1, cfg.trainer.total_iterations),
-            parallel=cfg.parallel, optim=cfg.optim, loss=cfg.algorithm, trainer=cfg.trainer, lora=cfg.model.lora,
-        )
-
-    @classmethod
     def build(cls, model_path: str | Path, *, params_dtype: str = "float32", temperature: float = 1.0,
               lr_decay_steps: int = 1, lora: LoraConfig | None = None, **settings) -> "ActorConfig":
         """An actor config from recipe defaults and the settings named in ``settings`` by their field name
@@ -97,8 +113,11 @@ class ActorConfig:
                    **{name: tp(**changes[name]) for name, tp in _SECTIONS.items()})
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.params_dtype]
+    def torch_dtype(self) -> "torch.dtype":
+        """``params_dtype`` as a torch dtype (``torch.float32`` / ``torch.bfloat16``)."""
+        import torch
+
+        return getattr(torch, self.params_dtype)
 
     def validate(self, world_size: int | None = None) -> None:
         """The sections' own range and choice checks, the derived values, and the layout against ``world_size``.
@@ -108,8 +127,8 @@ class ActorConfig:
         """
         errors = [f"{name}.{message}" for name in ("parallel", "optim", "loss", "trainer", "lora")
                   for message in field_errors(getattr(self, name))]
-        if self.params_dtype not in DTYPES:
-            errors.append(f"params_dtype={self.params_dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.params_dtype not in PARAMS_DTYPES:
+            errors.append(f"params_dtype={self.params_dtype!r} is not one of {', '.join(PARAMS_DTYPES)}")
         if not self.temperature > 0:
             errors.append(f"temperature={self.temperature} must be > 0")
         if self.lr_decay_steps < 1:

@@ -48,6 +48,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from megatron_gigpo.models.builder import unwrap_gpt_model
+from megatron_gigpo.models.config import LORA_TARGETS  # Megatron layer name -> column / row (TP split)
 
 __all__ = [
     "LORA_TARGETS",
@@ -61,8 +62,6 @@ __all__ = [
     "count_parameters",
 ]
 
-# Megatron layer name -> parallel style (which dim of W is split over TP)
-LORA_TARGETS = {"linear_qkv": "column", "linear_proj": "row", "linear_fc1": "column", "linear_fc2": "row"}
 
 
 class LoraAdapter(torch.nn.Module):
@@ -198,7 +197,7 @@ def apply_lora(model: torch.nn.Module, lora, *, seed: int = 0) -> list[str]:
 
     Args:
         model: this rank's ``GPTModel`` (or a wrapper), weights already loaded.
-        lora: a :class:`megatron_gigpo.config.LoraConfig` (``rank``, ``alpha``, ``dropout``,
+        lora: a :class:`megatron_gigpo.models.config.LoraConfig` (``rank``, ``alpha``, ``dropout``,
             ``target_modules``).
         seed: ``A`` is drawn (Kaiming-uniform, as HF PEFT) from a generator seeded by ``seed`` and the layer's
             global name, as the full matrix then sliced, so initial adapters do not depend on TP / PP.
@@ -234,7 +233,7 @@ def apply_lora(model: torch.nn.Module, lora, *, seed: int = 0) -> list[str]:
 
 
 def _global_name(gpt: torch.nn.Module, local_name: str) -> str:
-    """``decoder.layers.<local>.rest`` with the layer's global index (as :func:`models.global_parameters`)."""
+    """``decoder.layers.<local>.rest`` with the layer's global index (as :func:`megatron_gigpo.models.weights.global_parameters`)."""
     _, _, index, rest = local_name.split(".", 3)
     return f"decoder.layers.{gpt.decoder.layers[int(index)].layer_number - 1}.{rest}"
 

@@ -167,7 +167,7 @@ def write_peft_adapter(model, out_dir: str | os.PathLike, lora, *, base_model: s
     Args:
         model: the LoRA-adapted model (any TP/PP layout; every rank calls).
         out_dir: output folder; must not exist or be empty.
-        lora: the :class:`~megatron_gigpo.config.LoraConfig` the adapters were trained with.
+        lora: the :class:`~megatron_gigpo.models.config.LoraConfig` the adapters were trained with.
         base_model: written as ``base_model_name_or_path``.
         dtype: tensor dtype in the file (default: the adapters' own).
 

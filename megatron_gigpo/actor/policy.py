@@ -18,7 +18,6 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_gigpo import models
 from megatron_gigpo.actor import distributed, lora
 from megatron_gigpo.actor.batching import (
     build_micro_batch,
@@ -31,6 +30,9 @@ from megatron_gigpo.actor.checkpoint import CheckpointState, load_actor_checkpoi
 from megatron_gigpo.actor.config import ActorConfig
 from megatron_gigpo.actor.logprob import HeadSettings, run_forward_only
 from megatron_gigpo.actor.update import MiniBatchPlan, RowData, train_mini_batch
+from megatron_gigpo.models.builder import build_gpt_model, load_hf_config
+from megatron_gigpo.models.checkpoint import write_model_sidecar
+from megatron_gigpo.models.weights import export_hf_weights, load_hf_weights
 
 __all__ = ["PolicyActor"]
 
@@ -60,7 +62,7 @@ class PolicyActor:
         config.validate(dist.get_world_size())
         self.config = config
         self.device = distributed.device()
-        self.hf_config = models.load_hf_config(config.model_path)
+        self.hf_config = load_hf_config(config.model_path)
         policy = self._build_model()
         self.lora_layers: list[str] = []
         if config.lora.enabled:
@@ -95,8 +97,8 @@ class PolicyActor:
             # models, so name the one that supports it.
             overrides["variable_seq_lengths"] = True
             overrides["moe_token_dispatcher_type"] = "alltoall"
-        model = models.build_gpt_model(self.hf_config, params_dtype=self.config.torch_dtype, **overrides)
-        models.load_hf_weights(model, self.config.model_path)
+        model = build_gpt_model(self.hf_config, params_dtype=self.config.torch_dtype, **overrides)
+        load_hf_weights(model, self.config.model_path)
         if self.config.trainer.sequence_packing:
             from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -403,7 +405,7 @@ class PolicyActor:
                                adapters_only=self.config.lora.enabled)
 
     def _write_sidecar(self, folder) -> None:
-        models.write_model_sidecar(folder, model=self.model_chunks, hf_dir=self.config.model_path)
+        write_model_sidecar(folder, model=self.model_chunks, hf_dir=self.config.model_path)
         if self.config.lora.enabled:
             from megatron_gigpo.actor.lora_files import write_lora_reference
 
@@ -452,12 +454,12 @@ class PolicyActor:
         """Write the policy as a Hugging Face model directory (safetensors in ``params_dtype``, config and
         tokenizer files of ``model_path``), atomically; collective over all ranks.
 
-        See :func:`megatron_gigpo.models.convert.write_hf_model`. Returns ``out_dir``.
+        See :func:`megatron_gigpo.actor.convert.write_hf_model`. Returns ``out_dir``.
 
         Raises:
             FileExistsError: ``out_dir`` exists and is not empty.
         """
-        from megatron_gigpo.models.convert import write_hf_model
+        from megatron_gigpo.actor.convert import write_hf_model
 
         write_hf_model(self.model_chunks, out_dir, hf_config_dir=self.config.model_path,
                        max_shard_bytes=max_shard_bytes)
@@ -495,9 +497,9 @@ class PolicyActor:
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """HF-named weight buckets of the policy; a collective every rank must consume to the end.
 
-        Delegates to :func:`megatron_gigpo.models.export_hf_weights` (see there for ``destination`` and which
+        Delegates to :func:`megatron_gigpo.models.weights.export_hf_weights` (see there for ``destination`` and which
         ranks receive tensors).
         """
-        return models.export_hf_weights(
+        return export_hf_weights(
             self.model_chunks, bucket_size_bytes=bucket_size_bytes, dtype=dtype, destination=destination
         )

@@ -25,7 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch.nn.utils.rnn import pad_sequence
 
 from megatron_gigpo.actor.batching import MicroBatch
-from megatron_gigpo.config import AlgorithmConfig
+from megatron_gigpo.algo.config import AlgorithmConfig
 from megatron_gigpo.actor.logprob import HeadSettings, forward_step_func, response_log_probs
 from megatron_gigpo.algo.losses import compute_actor_loss
 from megatron_gigpo.algo.scatter import scatter_advantages_padded

@@ -1,5 +1,7 @@
-"""GiGPO algorithm core: pure tensor math, no I/O, no distributed state.
+"""GiGPO algorithm core: pure tensor math, no I/O, no distributed state. Nothing is imported here: import
+from the submodules (``megatron_gigpo.algo.advantages.compute_advantages``).
 
+- :mod:`~megatron_gigpo.algo.config`: the recipe's ``algorithm`` section (estimator, loss, dynamic sampling);
 - :mod:`~megatron_gigpo.algo.advantages`: estimator registry (``gigpo``, ``grpo``, ``rloo``) and GiGPO parts;
 - :mod:`~megatron_gigpo.algo.returns`: discounted step returns, episode returns;
 - :mod:`~megatron_gigpo.algo.grouping`: anchor-state grouping (exact and similarity);
@@ -8,42 +10,3 @@
 - :mod:`~megatron_gigpo.algo.losses`: PPO clipped loss with dual clip, KL penalties, entropy, aggregation;
 - :mod:`~megatron_gigpo.algo.oracle`: slow loop-based reference, for tests and benchmarks only.
 """
-
-from megatron_gigpo.algo.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    AdvantageInputs,
-    AdvantageOutputs,
-    check_params,
-    compute_advantages,
-    from_training_batch,
-    get_advantage_estimator,
-    register_advantage_estimator,
-)
-from megatron_gigpo.algo.losses import (
-    POLICY_LOSSES,
-    agg_loss,
-    compute_actor_loss,
-    compute_policy_loss,
-    entropy_from_logits,
-    kl_penalty,
-)
-from megatron_gigpo.algo.scatter import scatter_advantages_packed, scatter_advantages_padded
-
-__all__ = [
-    "ADVANTAGE_ESTIMATORS",
-    "POLICY_LOSSES",
-    "AdvantageInputs",
-    "AdvantageOutputs",
-    "check_params",
-    "agg_loss",
-    "compute_actor_loss",
-    "compute_advantages",
-    "compute_policy_loss",
-    "entropy_from_logits",
-    "from_training_batch",
-    "get_advantage_estimator",
-    "kl_penalty",
-    "register_advantage_estimator",
-    "scatter_advantages_packed",
-    "scatter_advantages_padded",
-]

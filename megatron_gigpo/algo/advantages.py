@@ -28,18 +28,16 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from megatron_gigpo.algo import group_stats
 from megatron_gigpo.algo.grouping import anchor_state_groups, factorize
 from megatron_gigpo.algo.returns import discounted_step_returns, episode_returns
-from megatron_gigpo.config import AlgorithmConfig
+from megatron_gigpo.algo.config import AlgorithmConfig
 from megatron_gigpo.fields import field_errors
 
-if TYPE_CHECKING:
-    from megatron_gigpo.episodes.batch import TrainingBatch
 
 MODES = group_stats.MODES
 EPISODE_STATS = ("trajectory", "per_step_row")
@@ -47,7 +45,7 @@ EPISODE_STATS = ("trajectory", "per_step_row")
 
 def check_params(params: AlgorithmConfig) -> None:
     """The recipe's own range and choice checks of the ``algorithm`` section (the ones ``validate`` runs), for
-    callers that build an :class:`~megatron_gigpo.config.AlgorithmConfig` in code.
+    callers that build an :class:`~megatron_gigpo.algo.config.AlgorithmConfig` in code.
 
     Raises:
         ValueError: every value outside its field's range or choices (``algorithm.gamma=0.0 must be in (0, 1]``).
@@ -274,10 +272,14 @@ def gigpo_from_scores(
 
 EstimatorFn = Callable[[AdvantageInputs, AlgorithmConfig], AdvantageOutputs]
 ADVANTAGE_ESTIMATORS: dict[str, EstimatorFn] = {}
+#: The registered estimators that compare the N rollouts of a group (the recipe check needs ``rollout.n`` >= 2
+#: for them, and dynamic sampling filters groups only for them), in registration order.
+GROUP_RELATIVE_ESTIMATORS: list[str] = []
 
 
-def register_advantage_estimator(name: str) -> Callable[[EstimatorFn], EstimatorFn]:
-    """Decorator: register an estimator ``fn(inputs, params) -> AdvantageOutputs`` under ``name``.
+def register_advantage_estimator(name: str, *, group_relative: bool = True) -> Callable[[EstimatorFn], EstimatorFn]:
+    """Decorator: register an estimator ``fn(inputs, params) -> AdvantageOutputs`` under ``name``;
+    ``group_relative``: it normalises within groups of rollouts of one task (all of GiGPO, GRPO and RLOO do).
 
     Raises:
         ValueError: ``name`` is already registered.
@@ -287,6 +289,8 @@ def register_advantage_estimator(name: str) -> Callable[[EstimatorFn], Estimator
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
         ADVANTAGE_ESTIMATORS[name] = fn
+        if group_relative:
+            GROUP_RELATIVE_ESTIMATORS.append(name)
         return fn
 
     return deco
@@ -383,15 +387,3 @@ def rloo_advantage(inputs: AdvantageInputs, params: AlgorithmConfig) -> Advantag
     else:
         a_e = group_stats.row_leave_one_out(enc.episode_score, enc.uid_index)
     return _outputs(enc, a_e, a_e, torch.zeros_like(a_e), None, None)
-
-
-def from_training_batch(batch: "TrainingBatch") -> AdvantageInputs:
-    """The advantage inputs of a :class:`megatron_gigpo.episodes.batch.TrainingBatch` (no copies)."""
-    return AdvantageInputs(
-        uid=batch.uid,
-        traj_id=batch.traj_id,
-        step_index=batch.step_index,
-        anchor=batch.anchor,
-        env_reward=batch.env_reward,
-        action_valid=batch.action_valid,
-    )

@@ -146,7 +146,7 @@ def oracle_advantages(
 ) -> dict[str, list]:
     """Per-row ``advantage``, ``episode_advantage``, ``step_advantage``, ``step_returns``,
     ``episode_score`` and ``step_group`` (labels) as Python lists; ``params`` is the recipe's ``algorithm``
-    section (:class:`~megatron_gigpo.config.AlgorithmConfig`)."""
+    section (:class:`~megatron_gigpo.algo.config.AlgorithmConfig`)."""
     penalty = params.invalid_action_penalty_coef if params.invalid_action_penalty else None
     pen = [penalty if (penalty is not None and not v) else 0.0 for v in action_valid]
     returns = oracle_step_returns(traj_id, step_index, env_reward, params.gamma)

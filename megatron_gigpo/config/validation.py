@@ -10,17 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_gigpo.config import (
-    LORA_TARGET_MODULES,
-    ArchitectureConfig,
-    Config,
-    ConfigError,
-    ModelConfig,
-    SFTConfig,
-)
-from megatron_gigpo.episodes.templates import PROMPT_TEMPLATES
-from megatron_gigpo.fields import field_errors, leaf_fields
+from megatron_gigpo.cluster.placement import placement_errors
+from megatron_gigpo.config.schema import Config
+from megatron_gigpo.demos.experts import expert_env_names, no_expert_message
+from megatron_gigpo.episodes.templates import prompt_templates
+from megatron_gigpo.fields import ConfigError, field_errors, leaf_fields
+from megatron_gigpo.models.config import LORA_TARGETS, ArchitectureConfig, ModelConfig
 from megatron_gigpo.models.specs import KNOWN_MODELS, hf_config_for
+from megatron_gigpo.sft.config import SFTConfig
 
 # --------------------------------------------------------------------------------------------------
 # Cross-field validation
@@ -40,7 +37,15 @@ KNOWN_MODEL_SHAPES: dict[str, ModelShape] = {
     for name, hf in KNOWN_MODELS.items()
 }
 
-GROUP_RELATIVE_ESTIMATORS = ("gigpo", "grpo", "rloo")
+
+
+def group_relative_estimators() -> tuple[str, ...]:
+    """The registered advantage estimators that compare the N rollouts of a group (need ``rollout.n`` >= 2, can
+    drive dynamic sampling): read from the registry (:data:`megatron_gigpo.algo.advantages.ADVANTAGE_ESTIMATORS`,
+    ``register_advantage_estimator(name, group_relative=...)``), in registration order."""
+    from megatron_gigpo.algo.advantages import GROUP_RELATIVE_ESTIMATORS  # torch: imported when a recipe is checked
+
+    return tuple(GROUP_RELATIVE_ESTIMATORS)
 
 
 def model_shape(path: str) -> ModelShape:
@@ -100,25 +105,24 @@ def validate_config(cfg: Config, source: str = "config") -> None:
         raise ConfigError(f"{source}: " + "; ".join(errors))
     a, p, r, t = cfg.algorithm, cfg.parallel, cfg.rollout, cfg.trainer
     e = cfg.env
-    if (e.name, e.prompt_template) not in PROMPT_TEMPLATES:
-        offered = sorted(s for n, s in PROMPT_TEMPLATES if n == e.name)
+    if (e.name, e.prompt_template) not in prompt_templates():
+        offered = sorted(s for n, s in prompt_templates() if n == e.name)
         errors.append(f"env.prompt_template={e.prompt_template!r} is not offered for env.name={e.name!r} "
                       f"(its templates: {', '.join(offered) or 'none'})")
-    if a.adv_estimator in GROUP_RELATIVE_ESTIMATORS and r.n < 2:
+    group_relative = group_relative_estimators()
+    if a.adv_estimator in group_relative and r.n < 2:
         errors.append(f"rollout.n={r.n}: group-relative estimator '{a.adv_estimator}' needs a group size >= 2")
-    if a.dynamic_sampling.enabled and a.adv_estimator not in GROUP_RELATIVE_ESTIMATORS:
+    if a.dynamic_sampling.enabled and a.adv_estimator not in group_relative:
         errors.append(f"algorithm.dynamic_sampling.enabled=true needs a group-relative estimator "
-                      f"({', '.join(GROUP_RELATIVE_ESTIMATORS)}), got algorithm.adv_estimator={a.adv_estimator!r}")
+                      f"({', '.join(group_relative)}), got algorithm.adv_estimator={a.adv_estimator!r}")
     if cfg.model.init == "random":
         errors += _architecture_errors(cfg.model.architecture)
     for key, lora in (("model.lora", cfg.model.lora), ("sft.lora", cfg.sft.lora)):
         if lora.enabled and (not lora.target_modules or len(set(lora.target_modules)) != len(lora.target_modules)):
             errors.append(f"{key}.target_modules={lora.target_modules!r} must name each adapted layer once "
-                          f"(of {', '.join(LORA_TARGET_MODULES)})")
+                          f"(of {', '.join(LORA_TARGETS)})")
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
     # World size, engine GPUs and nodes: the placement plan's own check (one place decides where things run).
-    from megatron_gigpo.cluster.placement import placement_errors
-
     errors += placement_errors(cfg)
     try:
         shape = _policy_shape(cfg.model)
@@ -179,8 +183,6 @@ def _sft_errors(s: SFTConfig, dp: int, env_name: str) -> list[str]:
     """Cross-field checks of the ``sft`` section (the ranges and choices are on its fields)."""
     errors = []
     if s.enabled and s.train_file is None:  # the cold start writes the environment's expert demonstrations first
-        from megatron_gigpo.demos.experts import expert_env_names, no_expert_message
-
         if env_name not in expert_env_names():
             errors.append(f"sft.enabled=true with sft.train_file null needs expert demonstrations, but "
                           f"{no_expert_message(env_name)}; set sft.train_file")

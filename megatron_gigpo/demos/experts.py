@@ -10,14 +10,14 @@ walkthrough); WebShop and search QA have none.
 from __future__ import annotations
 
 from megatron_gigpo.envs.expert import Expert, ExpertMove, ExpertUnavailable
+from megatron_gigpo.envs.registry import ENVIRONMENTS, env_recipe
+from megatron_gigpo.fields import ConfigError
 
 __all__ = ["Expert", "ExpertMove", "ExpertUnavailable", "expert_env_names", "make_expert", "no_expert_message"]
 
 
 def expert_env_names() -> tuple[str, ...]:
     """The registered environments whose ``RECIPE`` declares an expert, sorted."""
-    from megatron_gigpo.envs.registry import ENVIRONMENTS, env_recipe
-
     return tuple(sorted(name for name in ENVIRONMENTS if env_recipe(name).expert is not None))
 
 
@@ -34,9 +34,6 @@ def make_expert(env_name: str) -> Expert:
         ConfigError: the environment declares no expert (the message names it and those that have one).
         KeyError: ``env_name`` is not registered.
     """
-    from megatron_gigpo.config import ConfigError
-    from megatron_gigpo.envs.registry import env_recipe
-
     factory = env_recipe(env_name).expert
     if factory is None:
         raise ConfigError(no_expert_message(env_name))

@@ -46,14 +46,13 @@ from pathlib import Path
 from typing import Any
 
 from megatron_gigpo.config import Config
+from megatron_gigpo.demos.config import REASONING_MODES
 from megatron_gigpo.demos.experts import Expert, ExpertUnavailable, make_expert
 from megatron_gigpo.envs.base import Environment, Task
 from megatron_gigpo.episodes.prompts import PromptRenderer, PromptTooLongError, StepPromptState
 
 log = logging.getLogger(__name__)
 
-#: Values of the ``reasoning`` argument.
-REASONING_MODES: tuple[str, ...] = ("plan", "none")
 #: Reasoning written (under ``plan``) for an epsilon step: the action is random, not the expert's plan.
 EXPLORE_REASONING = "Exploring: a random action."
 

@@ -51,6 +51,7 @@ TASK_TYPES: dict[int, str] = {
     6: "pick_two_obj_and_place",
 }
 GAME_FILE = "game.tw-pddl"
+MAX_STEPS = 50  # episode length (the paper's ALFWorld setting): AlfWorldEnv's default and RECIPE.step_limit
 DEFAULT_SPLIT_DIRS: dict[str, str] = {"train": "train", "val": "valid_seen"}
 # Characters of a response without an action block sent as the command (verl-agent's ALFWorld projection).
 MISSING_ACTION_CHARS = 30
@@ -178,7 +179,11 @@ class AlfWorldEnv(Environment):
     name = "alfworld"
 
     def __init__(
-        self, data_dir: str | Path, max_steps: int = 50, win_reward: float = 10.0, request_walkthrough: bool = False
+        self,
+        data_dir: str | Path,
+        max_steps: int = MAX_STEPS,
+        win_reward: float = 10.0,
+        request_walkthrough: bool = False,
     ) -> None:
         if max_steps < 1:
             raise ValueError(f"AlfWorldEnv: max_steps must be >= 1, got {max_steps}")
@@ -310,6 +315,11 @@ def _task_list(env: Any, split: str) -> list[Task]:
     return load_tasks(split, data_dir=env_path(env.data_dir, "env.data_dir"), split_dir=split_dir)
 
 
+def _check_resources(env: Any) -> list[str]:
+    """``env.data_dir`` is set and both splits' game folders load (:func:`.recipe.data_dir_problems`)."""
+    return data_dir_problems(env, _task_list)
+
+
 ALFWORLD_TEMPLATE = PromptTemplate(
     env="alfworld",
     preamble=(
@@ -389,5 +399,5 @@ class AlfWorldExpert(Expert):
 
 
 RECIPE = EnvRecipe(section="alfworld", settings=AlfWorldConfig, env_kwargs=_env_kwargs, task_list=_task_list,
-                   check_resources=data_dir_problems, templates=(ALFWORLD_TEMPLATE, COMPACT_ALFWORLD_TEMPLATE),
-                   expert=AlfWorldExpert)
+                   check_resources=_check_resources, templates=(ALFWORLD_TEMPLATE, COMPACT_ALFWORLD_TEMPLATE),
+                   expert=AlfWorldExpert, step_limit=MAX_STEPS)

@@ -43,6 +43,14 @@ class EnvRecipe:
         expert: its expert policy for demonstrations (``megatron-gigpo demos``, the cold start's
             ``sft.demos``): a subclass of :class:`megatron_gigpo.envs.expert.Expert`, built once per
             demonstration run; None (default): the environment has no expert.
+        step_limit: the environment's own episode length limit in steps (its constructor's default, the paper's
+            setting); the recipe's ``env.max_steps`` is a separate shared setting
+            (:class:`megatron_gigpo.config.EnvConfig`). ``benchmarks/envs.py`` runs the environment at it.
+            None (default): not stated.
+        sample_data: ``folder -> None``: writes a small generated data set in the environment's own file layout
+            into ``folder`` (created if missing), to serve as ``env.data_dir`` for benchmarks and smoke runs
+            without the real download; None (default): no generator (the environment reads no data folder, or
+            only its real data will do).
     """
 
     section: str
@@ -52,6 +60,8 @@ class EnvRecipe:
     check_resources: Callable[[Any], list[str]] = _no_problems
     templates: tuple[Any, ...] = ()
     expert: Callable[[], Any] | None = None
+    step_limit: int | None = None
+    sample_data: Callable[[Path], None] | None = None
 
 
 def env_path(value: str | None, key: str) -> str:
@@ -65,15 +75,22 @@ def env_path(value: str | None, key: str) -> str:
     return str(Path(value).expanduser())
 
 
-def data_dir_problems(env: Any) -> list[str]:
-    """``env.data_dir`` is set and both task lists load from it (for environments that read a data folder)."""
+def data_dir_problems(env: Any, task_list: Callable[[Any, str], list[Task]]) -> list[str]:
+    """``env.data_dir`` is set and both task lists load from it (for environments that read a data folder).
+
+    Args:
+        env: the recipe's ``env`` section (``env.name``, ``env.data_dir``, ...).
+        task_list: the environment's own ``(env section, split) -> list[Task]`` (its :attr:`EnvRecipe.task_list`).
+
+    Returns:
+        ``["env.data_dir must be set for <name>"]``, or ``["env.data_dir=<dir>: <error>"]`` for the first split
+        (``train``, then ``val``) whose task list raises FileNotFoundError or ValueError; [] when both load.
+    """
     if env.data_dir is None:
         return [f"env.data_dir must be set for {env.name}"]
-    from megatron_gigpo.envs.registry import env_recipe
-
     for split in ("train", "val"):
         try:
-            env_recipe(env.name).task_list(env, split)
+            task_list(env, split)
         except (FileNotFoundError, ValueError) as exc:
             return [f"env.data_dir={env.data_dir!r}: {exc}"]
     return []

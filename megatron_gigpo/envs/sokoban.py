@@ -62,6 +62,7 @@ _CELL_SYMBOLS = np.array(["#", "_", "O", "√", "X", "P", "S"])
 _VERBAL_PREFIX = re.compile(r"^(?:move|push|go|step)\s+")
 # Seeds of the val split start here so that train and val rooms never coincide.
 VAL_SEED_OFFSET = 1_000_000_000
+MAX_STEPS = 15  # episode length (the paper's Sokoban setting): SokobanEnv's default and RECIPE.step_limit
 
 TASK_DESCRIPTION = "Push every box (X) onto a target (O)."
 
@@ -195,7 +196,7 @@ class SokobanEnv(Environment):
         self,
         dim_room: tuple[int, int] | list[int] = (6, 6),
         num_boxes: int = 1,
-        max_steps: int = 15,
+        max_steps: int = MAX_STEPS,
         num_gen_steps: int | None = None,
         max_generation_attempts: int = 20,
     ) -> None:
@@ -383,4 +384,4 @@ class SokobanExpert(Expert):
 
 RECIPE = EnvRecipe(section="sokoban", settings=SokobanConfig, env_kwargs=_env_kwargs, task_list=_task_list,
                    templates=(SOKOBAN_TEMPLATE, COMPACT_SOKOBAN_TEMPLATE, MINIMAL_SOKOBAN_TEMPLATE),
-                   expert=SokobanExpert)
+                   expert=SokobanExpert, step_limit=MAX_STEPS)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_gigpo.algo.advantages import AdvantageInputs
 from megatron_gigpo.envs.base import Anchor
 
 #: Per-row entries of ``TrainingBatch.extras`` written by the collector: one item per row (a list, a 1-D
@@ -93,6 +94,12 @@ class TrainingBatch:
     def response_lengths(self) -> torch.Tensor:
         """int64 (num_rows,): number of response tokens per row."""
         return torch.tensor([int(r.numel()) for r in self.response_ids], dtype=torch.int64)
+
+    def advantage_inputs(self) -> AdvantageInputs:
+        """What the advantage estimators read of these rows
+        (:func:`megatron_gigpo.algo.advantages.compute_advantages`), as views: no copies."""
+        return AdvantageInputs(uid=self.uid, traj_id=self.traj_id, step_index=self.step_index, anchor=self.anchor,
+                               env_reward=self.env_reward, action_valid=self.action_valid)
 
     def select(self, index: np.ndarray | list[int] | torch.Tensor) -> "TrainingBatch":
         """A new batch with the given rows, in the given order (e.g. a mini-batch or the kept groups).

@@ -284,7 +284,7 @@ class EpisodeCollector:
             prompt_style=prompt_style, template=prompt_template, chat_template_kwargs=chat_template_kwargs,
         )
         if env_call_timeout_s is None:
-            from megatron_gigpo.config import TimeoutsConfig
+            from megatron_gigpo.run.config import TimeoutsConfig
 
             env_call_timeout_s = TimeoutsConfig().env_call_s
         self.pool = EnvWorkerPool(

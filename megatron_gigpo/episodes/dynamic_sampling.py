@@ -35,7 +35,7 @@ import torch
 from megatron_gigpo.episodes.batch import TrainingBatch, concat_batches, select_groups
 
 if TYPE_CHECKING:
-    from megatron_gigpo.config import AlgorithmConfig
+    from megatron_gigpo.algo.config import AlgorithmConfig
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +81,9 @@ def informative_uids(
     elif criterion == "joint":
         if params is None:
             raise ValueError("informative_uids: criterion 'joint' needs the advantage params")
-        from megatron_gigpo.algo.advantages import compute_advantages, from_training_batch
+        from megatron_gigpo.algo.advantages import compute_advantages
 
-        adv = compute_advantages(estimator, from_training_batch(batch), params).advantage.double().abs().cpu()
+        adv = compute_advantages(estimator, batch.advantage_inputs(), params).advantage.double().abs().cpu()
         peak = torch.zeros(len(uids), dtype=torch.float64).scatter_reduce(0, uid_index, adv, "amax")
         signal = peak > ZERO_ADVANTAGE_ATOL
     else:

@@ -61,7 +61,7 @@ from megatron_gigpo.episodes.templates import (  # noqa: F401 - re-exported: the
     HISTORY_STYLES,
     NO_ACTION_TEXT,
     PROMPT_STYLES,
-    PROMPT_TEMPLATES,
+    prompt_templates,
     PromptLayout,
     PromptTemplate,
     get_prompt_template,

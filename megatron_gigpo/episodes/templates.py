@@ -186,12 +186,6 @@ def prompt_templates() -> dict[tuple[str, str], PromptTemplate]:
     return out
 
 
-def __getattr__(name: str):
-    if name == "PROMPT_TEMPLATES":  # read from the registry on first use (the environments' modules import this one)
-        return prompt_templates()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def template_envs(style: str = DEFAULT_PROMPT_STYLE) -> list[str]:
     """The environments that have a template of ``style``, sorted."""
     return sorted(env for env, s in prompt_templates() if s == style)

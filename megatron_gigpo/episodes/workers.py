@@ -120,7 +120,7 @@ class EnvWorker:
     """
 
     def __init__(self, env_factory: EnvFactory, worker_index: int, call_timeout_s: float | None = None) -> None:
-        from megatron_gigpo.config import TimeoutsConfig
+        from megatron_gigpo.run.config import TimeoutsConfig
 
         self._factory = env_factory
         self._index = worker_index

@@ -347,6 +347,21 @@ def supported_architectures() -> list[str]:
     return sorted(arch for factory in _REGISTRY.values() for arch in factory.architectures)
 
 
+def mapping_for(model_type: str | None, architectures: Any = None) -> ModelMapping:
+    """The mapping registered for ``model_type`` (a config.json ``model_type``), without checking a config's
+    features: what the memory plan asks of a model known only by a config.json subset (q/k/v biases).
+
+    Raises:
+        UnsupportedModelError: unknown ``model_type`` (the message lists the supported architectures).
+    """
+    if model_type not in _REGISTRY:
+        raise UnsupportedModelError(
+            f"unsupported architecture {architectures or model_type!r} (model_type {model_type!r}); "
+            f"supported: {', '.join(supported_architectures())}"
+        )
+    return _REGISTRY[model_type]()
+
+
 def get_model_mapping(hf_config: Any) -> ModelMapping:
     """The mapping for ``hf_config`` (a ``transformers.PretrainedConfig``), after checking its features.
 
@@ -354,13 +369,6 @@ def get_model_mapping(hf_config: Any) -> ModelMapping:
         UnsupportedModelError: unknown ``model_type`` (the message lists the supported architectures) or an
             unsupported feature of a known family.
     """
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in _REGISTRY:
-        archs = getattr(hf_config, "architectures", None)
-        raise UnsupportedModelError(
-            f"unsupported architecture {archs or model_type!r} (model_type {model_type!r}); "
-            f"supported: {', '.join(supported_architectures())}"
-        )
-    mapping = _REGISTRY[model_type]()
+    mapping = mapping_for(getattr(hf_config, "model_type", None), getattr(hf_config, "architectures", None))
     mapping.check_supported(hf_config)
     return mapping

@@ -3,7 +3,7 @@
 A small model is written as a plain Hugging Face directory, so it goes through exactly the same Megatron
 actor, vLLM engine, weight sync and converters as any pretrained model. Its ``config.json`` is the base
 model's (``model.path``: architecture class, vocabulary, RoPE, norms, tied embeddings) with the shape fields
-of :class:`~megatron_gigpo.config.ArchitectureConfig` replaced; its tokenizer files (and chat template) are
+of :class:`~megatron_gigpo.models.config.ArchitectureConfig` replaced; its tokenizer files (and chat template) are
 the base model's (with ``architecture.vocab_size``: truncated to its first ids, :func:`truncate_tokenizer`); its
 weights are drawn by ``transformers`` (``AutoModelForCausalLM.from_config``: normal with
 ``initializer_range`` std, norms at 1) under ``torch.manual_seed(seed)``.
@@ -92,7 +92,7 @@ def random_model_dir(base: str, architecture, seed: int) -> Path:
     Args:
         base: ``model.path`` of the recipe (a Hugging Face directory or ``builtin:<name>``): architecture class,
             vocabulary and tokenizer.
-        architecture: a :class:`~megatron_gigpo.config.ArchitectureConfig`.
+        architecture: a :class:`~megatron_gigpo.models.config.ArchitectureConfig`.
         seed: seed of ``torch.manual_seed`` before the weights are drawn.
 
     Returns:

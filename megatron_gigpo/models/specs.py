@@ -20,15 +20,16 @@ __all__ = ["KNOWN_MODELS", "hf_config_for", "padded_vocab_size"]
 def _qwen25(hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, vocab: int, tie: bool) -> dict[str, Any]:
     return {"model_type": "qwen2", "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
             "num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": vocab,
-            "tie_word_embeddings": tie, "attention_bias": True, "max_position_embeddings": 32768}
+            "tie_word_embeddings": tie, "max_position_embeddings": 32768}
 
 
 _SMOLLM2_135M = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                  "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
-                 "tie_word_embeddings": True, "attention_bias": False, "max_position_embeddings": 8192}
+                 "tie_word_embeddings": True, "max_position_embeddings": 8192}
 
-#: model id -> Hugging Face config.json subset (``attention_bias``: Qwen2 has Q/K/V biases, Llama none;
-#: ``max_position_embeddings``: the longest context vLLM accepts for it, prompt + response).
+#: model id -> Hugging Face config.json subset (``max_position_embeddings``: the longest context vLLM accepts for
+#: it, prompt + response). Whether q/k/v carry biases is the model family's fact
+#: (:meth:`megatron_gigpo.models.mapping.ModelMapping.qkv_bias`), not repeated here.
 KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "builtin:smollm2-135m-instruct": _SMOLLM2_135M,
     "HuggingFaceTB/SmolLM2-135M-Instruct": _SMOLLM2_135M,

@@ -20,7 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
-from megatron_gigpo.config import RolloutConfig, TimeoutsConfig
+from megatron_gigpo.rollout.config import RolloutConfig
+from megatron_gigpo.run.config import TimeoutsConfig
 from megatron_gigpo.deadlines import get_with_deadline
 from megatron_gigpo.fields import field_errors
 from megatron_gigpo.rollout.transport import BucketLayout

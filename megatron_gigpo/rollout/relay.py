@@ -29,7 +29,6 @@ from typing import Any, Sequence
 import torch
 
 from megatron_gigpo.deadlines import get_with_deadline
-from megatron_gigpo.cluster.placement import relay_backend
 from megatron_gigpo.rollout.sender import EngineSender
 from megatron_gigpo.rollout.transport import BucketLayout
 
@@ -51,7 +50,7 @@ def relay_group(plan) -> Any:
     default group); non-members get torch's non-member token.
     """
     members = tuple(sorted({plan.source_rank, *plan.relay_leaders}))
-    key = (members, relay_backend(plan.transport))
+    key = (members, plan.backend)
     if key not in _RELAY_GROUPS:
         _RELAY_GROUPS[key] = torch.distributed.new_group(
             ranks=list(members), backend=key[1],
@@ -64,7 +63,7 @@ class _Link:
 
     def __init__(self, plan, group):
         self.plan, self.group = plan, group
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if relay_backend(plan.transport) == "nccl"
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if plan.backend == "nccl"
                        else torch.device("cpu"))
 
     def bcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:

@@ -76,10 +76,10 @@ def _broadcast_sender(plan):
     world = 1 + sum(plan.engine_workers)
     offsets = [1 + sum(plan.engine_workers[:i]) for i in range(len(plan.engines))]
     refs = [
-        e.join_broadcast_group.remote(host, port, off, world, plan.broadcast_backend, plan.timeout_s)
+        e.join_broadcast_group.remote(host, port, off, world, plan.backend, plan.timeout_s)
         for e, off in zip(plan.engines, offsets)
     ]
-    group = broadcast_group(host, port, 0, world, plan.broadcast_backend, plan.timeout_s)
+    group = broadcast_group(host, port, 0, world, plan.backend, plan.timeout_s)
     get_with_deadline(refs, plan.timeout_s, "engines joining the weight broadcast group",
                       labels=engine_labels(range(len(plan.engines))))
     _SENDER_GROUPS[plan.group_key] = group

@@ -35,7 +35,6 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from megatron_gigpo.deadlines import get_with_deadline
-from megatron_gigpo.cluster.placement import weight_transport
 from megatron_gigpo.rollout.checksum import combine_digests, tensor_digest, weights_checksum
 from megatron_gigpo.rollout.errors import WeightSyncError
 from megatron_gigpo.rollout.relay import RelaySource, relay_group, serve_node
@@ -164,7 +163,8 @@ class SyncPlan:
         transport: ``"shm"`` | ``"broadcast"`` | ``"cuda_ipc"``.
         spec: what the engines expect.
         source_rank: torch.distributed rank that receives the full HF tensors from the export.
-        broadcast_backend: ``"gloo"`` or ``"nccl"`` (broadcast transport).
+        backend: ``"gloo"`` or ``"nccl"``: the torch.distributed backend of the sync's groups (the broadcast
+            transport's, the node relays').
         max_inflight_buckets: buckets sent but not yet acknowledged by the engines (bounds memory).
         reuse_shm: keep the ``shm`` bucket files for the next sync (faster; holds the model's bytes of
             shared memory on the source node between syncs), else close them after each bucket is staged.
@@ -183,7 +183,7 @@ class SyncPlan:
     transport: str
     spec: WeightSpec
     source_rank: int = 0
-    broadcast_backend: str = "gloo"
+    backend: str = "gloo"
     max_inflight_buckets: int = 2
     reuse_shm: bool = True
     timeout_s: float = 600.0
@@ -214,7 +214,7 @@ class SyncPlan:
     def group_key(self) -> str:
         """Identity of the broadcast group (engines and their worker counts)."""
         ids = ",".join(str(getattr(e, "_actor_id", id(e))) for e in self.engines)
-        return f"{ids}|{self.engine_workers}|{self.broadcast_backend}"
+        return f"{ids}|{self.engine_workers}|{self.backend}"
 
 
 @dataclass
@@ -261,8 +261,8 @@ def prepare_sync(
     *,
     version: int,
     bucket_size_bytes: int,
-    transport: str = "auto",
-    mode: str = "colocated",
+    transport: str,
+    backend: str = "gloo",
     source_rank: int = 0,
     max_inflight_buckets: int = 2,
     timeout_s: float = 600.0,
@@ -274,9 +274,11 @@ def prepare_sync(
         engines: a :class:`~megatron_gigpo.rollout.engine.RolloutEngineGroup` or a list of engine handles.
         version: new weights version (int > every engine's current version).
         bucket_size_bytes: export bucket size in bytes (>= 1).
-        transport: one of :data:`TRANSPORTS`, or ``"auto"``: ``mode="colocated"`` -> ``cuda_ipc`` with
-            CUDA, else ``shm``; ``mode="disaggregated"`` -> ``broadcast`` (NCCL with CUDA, else gloo).
-        mode: ``"colocated"`` or ``"disaggregated"`` (used by ``"auto"``).
+        transport: one of :data:`TRANSPORTS`; a run's is its placement plan's
+            (:attr:`megatron_gigpo.cluster.placement.PlacementPlan.transport`, the one place it is decided).
+        backend: ``"gloo"`` or ``"nccl"``: the torch.distributed backend of the ``broadcast`` transport and of
+            the node relays (:attr:`~megatron_gigpo.cluster.placement.PlacementPlan.collective_backend`: NCCL on
+            GPUs).
         source_rank: the export's destination rank.
         max_inflight_buckets: >= 1.
         timeout_s: the sync's deadline in seconds (:attr:`SyncPlan.timeout_s`); also this call's.
@@ -295,13 +297,10 @@ def prepare_sync(
     if bucket_size_bytes < 1 or max_inflight_buckets < 1:
         raise ValueError(f"bucket_size_bytes={bucket_size_bytes} and max_inflight_buckets="
                          f"{max_inflight_buckets} must be >= 1")
-    if mode not in ("colocated", "disaggregated"):
-        raise ValueError(f"mode={mode!r}; expected 'colocated' or 'disaggregated'")
-    cuda = torch.cuda.is_available()
-    if transport == "auto":
-        transport = weight_transport(mode, "cuda" if cuda else "cpu")
     if transport not in TRANSPORTS:
-        raise ValueError(f"transport={transport!r}; expected 'auto' or one of {TRANSPORTS}")
+        raise ValueError(f"transport={transport!r}; expected one of {TRANSPORTS}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}; expected 'gloo' or 'nccl'")
     relays = _check_relays(relays, len(handles), source_rank) if transport in SAME_NODE_TRANSPORTS else ()
     infos = get_with_deadline([e.sync_info.remote() for e in handles], timeout_s, "sync_info of the rollout engines",
                               labels=[f"engine {i}" for i in range(len(handles))])
@@ -318,7 +317,7 @@ def prepare_sync(
         transport=transport,
         spec=spec,
         source_rank=source_rank,
-        broadcast_backend="nccl" if cuda else "gloo",
+        backend=backend,
         max_inflight_buckets=max_inflight_buckets,
         timeout_s=float(timeout_s),
         relays=relays,
@@ -342,8 +341,8 @@ def sync_weights(
     *,
     version: int,
     bucket_size_bytes: int,
-    transport: str = "auto",
-    mode: str = "colocated",
+    transport: str,
+    backend: str = "gloo",
     method: str = "push_weights",
     timeout_s: float = 600.0,
     relays: Sequence[Sequence[Any]] = (),
@@ -356,7 +355,7 @@ def sync_weights(
             ``<method>(plan)`` remote method. That method must call :func:`push_weights` with the rank's
             ``export_hf_weights(model, bucket_size_bytes=plan.bucket_size_bytes)`` iterator.
         engines: a :class:`~megatron_gigpo.rollout.engine.RolloutEngineGroup` or engine handles.
-        version, bucket_size_bytes, transport, mode: see :func:`prepare_sync`.
+        version, bucket_size_bytes, transport, backend: see :func:`prepare_sync`.
         method: name of the per-rank method.
         timeout_s: deadline of the sync on the source rank, seconds (the ranks' call gets ``DRIVER_GRACE_S``
             more, so that the source rank's error naming the engine arrives first).
@@ -370,7 +369,7 @@ def sync_weights(
     import ray
 
     plan = prepare_sync(engines, version=version, bucket_size_bytes=bucket_size_bytes, transport=transport,
-                        mode=mode, timeout_s=timeout_s, relays=relays)
+                        backend=backend, timeout_s=timeout_s, relays=relays)
     try:
         if hasattr(actors, "call_all"):
             results = actors.call_all(method, plan, timeout_s=timeout_s + DRIVER_GRACE_S)

@@ -8,9 +8,20 @@ import math
 from pathlib import Path
 from typing import Any
 
-from megatron_gigpo.config import Config, config_to_dict
+import dataclasses
+from typing import Protocol
+
+from megatron_gigpo.run.config import LoggingConfig, TrainerConfig
 
 METRICS_FILE = "metrics.jsonl"
+
+
+class LoggedRecipe(Protocol):
+    """What the sinks read of a recipe (:class:`megatron_gigpo.config.Config` is one): ``logging`` (which sinks),
+    ``trainer`` (the W&B project and run names); W&B also records the whole recipe."""
+
+    logging: LoggingConfig
+    trainer: TrainerConfig
 
 
 class MetricsLogger:
@@ -19,7 +30,7 @@ class MetricsLogger:
     Values are ``float``-convertible scalars (non-finite values go to the jsonl file only).
     """
 
-    def __init__(self, cfg: Config, run_dir: Path, *, resume_step: int = 0):
+    def __init__(self, cfg: LoggedRecipe, run_dir: Path, *, resume_step: int = 0):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = (self.run_dir / METRICS_FILE).open("a")
@@ -36,7 +47,7 @@ class MetricsLogger:
                 raise RuntimeError("logging.wandb=true needs the wandb package: pip install 'megatron-gigpo[wandb]'") from exc
             self._wandb = wandb.init(
                 project=cfg.trainer.project_name, name=cfg.trainer.experiment_name, dir=str(self.run_dir),
-                mode=cfg.logging.wandb_mode, config=config_to_dict(cfg), resume="allow",
+                mode=cfg.logging.wandb_mode, config=dataclasses.asdict(cfg), resume="allow",
             )
 
     def log(self, metrics: dict[str, Any], step: int) -> None:

@@ -3,7 +3,7 @@
 With ``sft.enabled: true``, ``megatron-gigpo train`` calls :func:`cold_start` first:
 
 1. demonstrations: when ``sft.train_file`` is null, the environment's expert plays ``sft.demos.num_episodes``
-   training tasks through the RL step prompts (:func:`megatron_gigpo.demos.write_demos`) into
+   training tasks through the RL step prompts (:func:`megatron_gigpo.demos.writer.write_demos`) into
    ``<run dir>/sft/demos.jsonl`` (kept, and reused by a re-run);
 2. the SFT stage (:func:`megatron_gigpo.sft.trainer.run_sft`) trains the recipe's model on them and exports
    ``<run dir>/sft/hf`` (skipped when that exists: a finished stage);
@@ -44,7 +44,7 @@ def with_sft_data(cfg: Config) -> Config:
     if path.is_file():
         log.info("cold start: reusing the demonstrations in %s", path)
     else:
-        from megatron_gigpo.demos import write_demos
+        from megatron_gigpo.demos.writer import write_demos
 
         d = cfg.sft.demos
         stats = write_demos(cfg, path, d.num_episodes, d.epsilon, d.seed, reasoning=d.reasoning)

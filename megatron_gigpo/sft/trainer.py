@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from megatron_gigpo.builders import StartedStack, start_progress
-from megatron_gigpo.config import Config, ConfigError
+from megatron_gigpo.config import Config
+from megatron_gigpo.fields import ConfigError
 
 __all__ = ["SFTTrainer", "run_sft", "sft_dir", "finished_model", "sft_actor_config", "epoch_batches"]
 
@@ -53,16 +54,16 @@ def finished_model(cfg: Config) -> Path | None:
 
 
 def sft_actor_config(cfg: Config, model_dir: Path, total_steps: int):
-    """The RL actor of the recipe (:meth:`megatron_gigpo.actor.config.ActorConfig.from_recipe`: model, layout,
+    """The RL actor of the recipe (:func:`megatron_gigpo.builders.actor_config`: model, layout,
     dtype, token budgets, Adam settings) with the ``sft`` section's loss, LR schedule, batch size and adapters
     (``sft.lora``, not the RL actor's ``model.lora``).
 
     Temperature is 1: demonstrations are scored under the model's own distribution.
     """
-    from megatron_gigpo.actor.config import ActorConfig
+    from megatron_gigpo.builders import actor_config
 
     s = cfg.sft
-    return ActorConfig.from_recipe(cfg, model_dir).replace(
+    return actor_config(cfg, model_dir).replace(
         optim={"lr": s.lr, "min_lr": s.min_lr, "lr_warmup_steps": s.lr_warmup_steps, "lr_decay_style": s.lr_decay_style},
         loss={"policy_loss": "nll", "loss_agg_mode": s.loss_agg_mode, "use_kl_loss": False, "kl_loss_coef": 0.0,
               "entropy_coeff": 0.0},

@@ -75,11 +75,12 @@ def test_actor_config_validation_names_the_field():
 
 @pytest.mark.unit
 def test_actor_config_from_recipe_passes_the_sections_whole(tmp_path):
+    from megatron_gigpo.builders import actor_config
     from megatron_gigpo.config import load_config
 
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "smoke" / "cpu.yaml"
     cfg = load_config(recipe, ["trainer.logprob_chunk_size=128", "algorithm.policy_loss=vanilla"])
-    actor = ActorConfig.from_recipe(cfg, tmp_path)
+    actor = actor_config(cfg, tmp_path)
     assert actor.parallel is cfg.parallel and actor.optim is cfg.optim and actor.loss is cfg.algorithm
     assert actor.trainer is cfg.trainer and actor.trainer.logprob_chunk_size == 128
     assert actor.params_dtype == "float32" and actor.lr_decay_steps == cfg.trainer.total_iterations

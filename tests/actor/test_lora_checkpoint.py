@@ -55,7 +55,7 @@ def _train_and_save(rank: int, world_size: int, model_dir, root) -> dict:
 def _resume_and_convert(rank: int, world_size: int, model_dir, root, out) -> dict:
     from megatron_gigpo.actor import distributed
     from megatron_gigpo.actor.policy import PolicyActor
-    from megatron_gigpo.models.convert import convert_megatron_to_hf
+    from megatron_gigpo.actor.convert import convert_megatron_to_hf
 
     start_rank()
     batch, results = make_batch(), {}

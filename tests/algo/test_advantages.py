@@ -15,7 +15,6 @@ from megatron_gigpo.algo.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageInputs,
     compute_advantages,
-    from_training_batch,
     get_advantage_estimator,
     register_advantage_estimator,
 )
@@ -289,7 +288,7 @@ def test_the_penalty_switch_turns_the_coefficient_off():
     assert float(on.episode_score[0]) == 0.5 and float(off.episode_score[0]) == 1.0
 
 
-def test_from_training_batch():
+def test_training_batch_advantage_inputs():
     from megatron_gigpo.episodes.batch import TrainingBatch
 
     n = 3
@@ -304,7 +303,7 @@ def test_from_training_batch():
         env_reward=torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64),
         action_valid=torch.tensor([True, True, False]),
     )
-    out = compute_advantages("gigpo", from_training_batch(batch), _params(mode="mean_norm"))
+    out = compute_advantages("gigpo", batch.advantage_inputs(), _params(mode="mean_norm"))
     assert out.step_group_id.tolist() == [0, 1, 0]
     assert out.advantage.shape == (n,)
 

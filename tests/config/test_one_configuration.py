@@ -62,25 +62,25 @@ def test_the_engine_reads_the_rollout_section(tmp_path):
 
 
 def test_new_recipe_keys_reach_their_components(tmp_path):
-    from megatron_gigpo.actor.config import ActorConfig
+    from megatron_gigpo.builders import actor_config
     from megatron_gigpo.cluster.memory import estimate_memory  # noqa: F401 - reads trainer.logprob_chunk_size
 
     cfg = load_config(RECIPES / "smoke/cpu.yaml", ["trainer.logprob_chunk_size=256", "trainer.shuffle=false",
                                                    "trainer.sequence_packing=true", "algorithm.policy_loss=nll"])
-    actor = ActorConfig.from_recipe(cfg, tmp_path)
+    actor = actor_config(cfg, tmp_path)
     assert (actor.trainer.logprob_chunk_size, actor.trainer.shuffle, actor.trainer.sequence_packing) == (256, False, True)
     assert actor.loss.policy_loss == "nll"
 
 
 def test_each_environment_registers_its_section():
     from megatron_gigpo.envs.registry import ENVIRONMENTS, env_recipe
-    from megatron_gigpo.episodes.templates import PROMPT_TEMPLATES
+    from megatron_gigpo.episodes.templates import prompt_templates
 
     fields = {f.name: f for f in dataclasses.fields(EnvConfig)}
     for name in ENVIRONMENTS:
         recipe = env_recipe(name)
         assert fields[recipe.section].default_factory is recipe.settings, name
-        assert (name, "verl_agent") in PROMPT_TEMPLATES, name
+        assert (name, "verl_agent") in prompt_templates(), name
     env = EnvConfig(name="sokoban")
     assert env_recipe("sokoban").check_resources(env) == []
     assert env_recipe("sokoban").env_kwargs(env) == {"dim_room": [6, 6], "num_boxes": 1, "max_steps": 50}

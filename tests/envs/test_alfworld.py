@@ -31,6 +31,30 @@ def test_missing_or_empty_data_dir_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.unit
+def test_check_resources_names_env_data_dir(tmp_path):
+    from megatron_gigpo.config import EnvConfig
+    from megatron_gigpo.envs.registry import check_env_resources
+
+    assert check_env_resources(EnvConfig(name="alfworld")) == ["env.data_dir must be set for alfworld"]
+    nowhere = str(tmp_path / "nowhere")
+    problems = check_env_resources(EnvConfig(name="alfworld", data_dir=nowhere))
+    assert len(problems) == 1 and problems[0].startswith(f"env.data_dir={nowhere!r}: ALFWorld data_dir {nowhere!r}")
+
+
+@pytest.mark.unit
+def test_check_resources_loads_both_splits(data_dir):
+    from megatron_gigpo.config import EnvConfig
+    from megatron_gigpo.envs.registry import check_env_resources
+
+    env = EnvConfig(name="alfworld", data_dir=str(data_dir))
+    # The shared games hold valid_seen and valid_unseen only: the missing train folder is named.
+    (problem,) = check_env_resources(env)
+    assert problem.startswith(f"env.data_dir={str(data_dir)!r}: ALFWorld split folder") and "/train'" in problem
+    env.alfworld.train_split_dir = "valid_unseen"
+    assert check_env_resources(env) == []
+
+
+@pytest.mark.unit
 def test_task_lists_are_sorted_and_filtered(data_dir, tmp_path):
     val = load_tasks("val", data_dir)
     assert len(val) == 140

@@ -1,9 +1,11 @@
 """The environment registry: names to classes and task lists."""
 
+import inspect
+
 import pytest
 
 from megatron_gigpo.envs.base import Environment
-from megatron_gigpo.envs.registry import ENVIRONMENTS, env_class, load_tasks, make_env
+from megatron_gigpo.envs.registry import ENVIRONMENTS, env_class, env_recipe, load_tasks, make_env
 
 pytestmark = pytest.mark.unit
 
@@ -28,3 +30,10 @@ def test_unknown_names_and_keys():
         load_tasks("chess", "train")
     with pytest.raises(TypeError, match="room_size"):
         make_env("sokoban", room_size=6)
+
+
+def test_step_limit_is_the_environments_own_default():
+    for name in ENVIRONMENTS:
+        params = inspect.signature(env_class(name)).parameters
+        limit = params["max_turns" if "max_turns" in params else "max_steps"].default
+        assert env_recipe(name).step_limit == limit, name

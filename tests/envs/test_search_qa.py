@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from megatron_gigpo.envs.search_qa import (
     load_tasks,
     normalize_answer,
     project_search_action,
+    read_passages,
     read_qa_file,
 )
 from megatron_gigpo.envs.search_qa.bm25 import Bm25Retriever
@@ -236,6 +238,24 @@ def test_bad_question_files_name_the_problem(tmp_path: Path):
         load_tasks("test", [dup])
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         read_qa_file(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.unit
+def test_question_and_passage_files_report_bad_jsonl_lines_alike(tmp_path: Path):
+    question = '{"question": "q", "golden_answers": ["a"]}'
+    passage = '{"id": "1", "contents": "\\"T\\"\\ntext"}'
+    bad = tmp_path / "bad.jsonl"
+    for good, read in ((question, read_qa_file), (passage, lambda path: list(read_passages(path)))):
+        bad.write_text(f"{good}\n\n{{not json\n")  # line numbers count the blank line
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(bad))}:3: invalid JSON \(Expecting property name"):
+            read(bad)
+        bad.write_text(f"{good}\n[1, 2]\n")
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(bad))}:2: expected a JSON object, got list$"):
+            read(bad)
+    # Question rows are numbered without the blank lines.
+    bad.write_text(f'{question}\n\n{{"query": "q2"}}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl row 1: unknown row layout"):
+        read_qa_file(bad)
 
 
 # ---------------------------------------------------------------- environment mechanics (tiny real index)

@@ -1,12 +1,14 @@
 """WebShop over generated data files in the real schema: search, pages, purchase reward, task lists."""
 
+import dataclasses
+import inspect
 import json
 import math
 
 import pytest
 
 from megatron_gigpo.envs.base import Task
-from megatron_gigpo.envs.webshop import WebShopEnv, load_tasks
+from megatron_gigpo.envs.webshop import RECIPE, WebShopConfig, WebShopEnv, load_tasks
 from megatron_gigpo.envs.webshop.catalog import CatalogFiles, load_catalog
 from megatron_gigpo.envs.webshop.env import SEARCH_ACTION
 from megatron_gigpo.envs.webshop.reward import normalize_color, purchase_score
@@ -210,7 +212,8 @@ def test_missing_data_is_a_clear_error(tmp_path):
 def test_reviews_file_is_shown(data_dir, tmp_path):
     task = _goal_task(data_dir, with_options=False)
     asin = task.payload["goal"]["asin"]
-    for name in ("items_shuffle_1000.json", "items_ins_v2_1000.json", "items_human_ins.json"):
+    files = CatalogFiles(str(data_dir))
+    for name in (files.items_file, files.attributes_file, files.human_goals_file):
         (tmp_path / name).write_bytes((data_dir / name).read_bytes())
     reviews = [{"asin": asin, "average_rating": 4.5, "reviews": [{"title": "Great", "stars": 5, "review": "fits"}]}]
     (tmp_path / "reviews.json").write_text(json.dumps(reviews))
@@ -219,3 +222,33 @@ def test_reviews_file_is_shown(data_dir, tmp_path):
     item = _open_product(env, task, asin)
     assert "Rating: 4.5" in item.observation
     assert env.step("click[reviews]").observation == "Back to Search [SEP] < Prev [SEP] Great 5 fits"
+
+
+def test_catalog_defaults_are_webshops_and_every_layer_reads_them(tmp_path):
+    # WebShop's small setting (setup.sh -d small): the 1,000-product files, synthetic goals, goal seed 233.
+    files = CatalogFiles("data")
+    assert (files.items_file, files.attributes_file, files.human_goals_file, files.reviews_file) == (
+        "items_shuffle_1000.json", "items_ins_v2_1000.json", "items_human_ins.json", None)
+    assert (files.num_products, files.human_goals, files.goal_seed) == (1000, False, 233)
+    for layer in (WebShopEnv, load_tasks):
+        params = inspect.signature(layer).parameters
+        for field in dataclasses.fields(CatalogFiles)[1:]:  # all but data_dir
+            assert params[field.name].default == getattr(files, field.name), (layer.__name__, field.name)
+    recipe = WebShopConfig()
+    for key in ("num_products", "human_goals", "items_file", "attributes_file"):
+        assert getattr(recipe, key) == getattr(files, key), key
+    assert recipe.spacy_model is None and inspect.signature(WebShopEnv).parameters["spacy_model"].default is None
+    written = write_synthetic_webshop_data(tmp_path, num_products=1)
+    assert sorted(p.name for p in written.values()) == sorted(
+        [files.items_file, files.attributes_file, files.human_goals_file])
+
+
+def test_recipe_sample_data_runs_with_the_recipe_defaults(tmp_path):
+    from megatron_gigpo.config import EnvConfig
+    from megatron_gigpo.envs.registry import check_env_resources, env_kwargs, make_env
+
+    RECIPE.sample_data(tmp_path / "webshop")
+    env = EnvConfig(name="webshop", data_dir=str(tmp_path / "webshop"), max_steps=RECIPE.step_limit)
+    assert check_env_resources(env) == []
+    shop = make_env("webshop", **env_kwargs(env))
+    assert len(shop.catalog.products) == WebShopConfig().num_products and shop.max_steps == 15

@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from megatron_gigpo.algo.advantages import compute_advantages, from_training_batch
+from megatron_gigpo.algo.advantages import compute_advantages
 from megatron_gigpo.config import AlgorithmConfig, RolloutConfig
 from megatron_gigpo.envs.sokoban import TASK_DESCRIPTION, SokobanEnv, load_tasks
 from megatron_gigpo.episodes.collector import EpisodeCollector, GroupResetMismatchError, reset_seed
@@ -179,7 +179,7 @@ def test_prompt_overflow_ends_only_that_trajectory(tiny_tokenizer, engine_group,
     assert f"{len(overflowed)} of 4 episodes" in message and f"max_prompt_length={limit}" in message
     assert f"{overflowed[0]} at step 2: {fixed[2]} tokens, 4 admissible actions" in message
     # Grouped episodes with gap-free steps: a valid GiGPO input.
-    adv = compute_advantages("gigpo", from_training_batch(batch), AlgorithmConfig())
+    adv = compute_advantages("gigpo", batch.advantage_inputs(), AlgorithmConfig())
     assert adv.advantage.shape[0] == batch.num_rows and bool(torch.isfinite(adv.advantage).all())
 
 

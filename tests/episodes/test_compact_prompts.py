@@ -11,7 +11,7 @@ from megatron_gigpo.config import ConfigError, load_config, validate_config
 from megatron_gigpo.envs.sokoban import TASK_DESCRIPTION, SokobanEnv, load_tasks
 from megatron_gigpo.episodes.prompts import (
     PROMPT_STYLES,
-    PROMPT_TEMPLATES,
+    prompt_templates,
     StepPromptState,
     get_prompt_template,
     step_prompt_renderer,
@@ -36,7 +36,7 @@ def test_every_environment_has_both_styles_and_sokoban_the_minimal_one():
     for style in ("verl_agent", "compact"):
         assert template_envs(style) == ENVS
     assert template_envs("minimal") == ["sokoban"]
-    assert {t.style for t in PROMPT_TEMPLATES.values()} == set(PROMPT_STYLES)
+    assert {t.style for t in prompt_templates().values()} == set(PROMPT_STYLES)
     with pytest.raises(KeyError, match="no 'terse' prompt template for environment 'sokoban'; its styles"):
         get_prompt_template("sokoban", "terse")
 
@@ -123,7 +123,7 @@ def test_recipe_selects_the_style_and_validate_refuses_bad_values(monkeypatch):
                                          "max_prompt_length": cfg.rollout.prompt_length, "prompt_style": "compact"}
     with pytest.raises(ConfigError, match="env.prompt_template='terse' is not one of verl_agent, compact, minimal"):
         load_config(recipe, ["env.prompt_template=terse"])
-    monkeypatch.delitem(PROMPT_TEMPLATES, ("webshop", "compact"))
+    monkeypatch.delitem(prompt_templates(), ("webshop", "compact"))
     cfg.env.name = "webshop"
     with pytest.raises(ConfigError, match="env.prompt_template='compact' is not offered for env.name='webshop'"):
         validate_config(cfg)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from megatron_gigpo.config import ConfigError, load_config
-from megatron_gigpo.demos import DemoError, ExpertUnavailable, demo_tasks, expert_env_names, make_expert, write_demos
+from megatron_gigpo.demos.experts import ExpertUnavailable, expert_env_names, make_expert
+from megatron_gigpo.demos.writer import DemoError, demo_tasks, write_demos
 from megatron_gigpo.demos.writer import EXPLORE_REASONING
 from megatron_gigpo.envs.registry import load_task_list
 from megatron_gigpo.envs.expert import Expert, ExpertMove

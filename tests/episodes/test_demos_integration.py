@@ -10,7 +10,8 @@ import pytest
 
 from megatron_gigpo.builders import _build_collector, step_prompt_settings
 from megatron_gigpo.config import RolloutConfig, load_config
-from megatron_gigpo.demos import Expert, ExpertMove, ExpertUnavailable, demo_tasks, write_demos
+from megatron_gigpo.demos.experts import Expert, ExpertMove, ExpertUnavailable
+from megatron_gigpo.demos.writer import demo_tasks, write_demos
 from megatron_gigpo.envs.alfworld import ALFWORLD_READ_ONLY, ALFWORLD_READ_ONLY_PREFIXES
 from megatron_gigpo.demos.writer import play_episode
 from megatron_gigpo.envs.registry import env_kwargs, load_task_list

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_gigpo.algo.advantages import compute_advantages, from_training_batch
+from megatron_gigpo.algo.advantages import compute_advantages
 from megatron_gigpo.config import AlgorithmConfig
 from megatron_gigpo.config import ConfigError, load_config
 from megatron_gigpo.episodes.batch import TrainingBatch, concat_batches, select_groups
@@ -80,8 +80,8 @@ def test_filter_drops_groups_without_signal_and_keeps_rows_aligned(criterion, ex
     _assert_rows_of(filtered, full, kept)
     # Advantages are group-local: the kept rows get the same advantage in the filtered batch as in the full one.
     idx = [i for i, u in enumerate(full.uid) if u in kept]
-    a_full = compute_advantages("gigpo", from_training_batch(full), PARAMS).advantage
-    a_kept = compute_advantages("gigpo", from_training_batch(filtered), PARAMS).advantage
+    a_full = compute_advantages("gigpo", full.advantage_inputs(), PARAMS).advantage
+    a_kept = compute_advantages("gigpo", filtered.advantage_inputs(), PARAMS).advantage
     assert torch.allclose(a_kept, a_full[idx], atol=1e-6)
     dropped = [i for i, u in enumerate(full.uid) if u not in kept]
     if criterion == "joint":

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_gigpo.episodes.prompts import (
     NO_ACTION_TEXT,
-    PROMPT_TEMPLATES,
+    prompt_templates,
     TRUNCATION_MARKER,
     PromptRenderer,
     PromptTemplate,
@@ -49,7 +49,7 @@ def _entry_marker(template: PromptTemplate, n: int) -> str:
     return f"[Step {n}] Your action:"
 
 
-@pytest.mark.parametrize("env", sorted(env for env, style in PROMPT_TEMPLATES if style == "verl_agent"))
+@pytest.mark.parametrize("env", sorted(env for env, style in prompt_templates() if style == "verl_agent"))
 def test_one_user_message_per_step_rendered_by_the_chat_template(tiny_tokenizer, env):
     template = get_prompt_template(env)
     renderer = PromptRenderer(tiny_tokenizer, template, history_length=3, max_prompt_length=4096)

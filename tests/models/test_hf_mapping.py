@@ -9,17 +9,18 @@ import torch
 
 from tiny_models import make_tiny_hf_model, tiny_config
 
-from megatron_gigpo.models import (
-    HFCheckpointReader,
+from megatron_gigpo.models.builder import padded_vocab_size, rope_settings, transformer_config_from_hf
+from megatron_gigpo.models.mapping import (
+    GateUpRule,
+    QKVRule,
+    ShardLayout,
     UnsupportedModelError,
+    VocabRule,
     WeightShapeError,
     get_model_mapping,
-    padded_vocab_size,
-    rope_settings,
     supported_architectures,
-    transformer_config_from_hf,
 )
-from megatron_gigpo.models.mapping import GateUpRule, QKVRule, ShardLayout, VocabRule
+from megatron_gigpo.models.weights import HFCheckpointReader
 
 
 @pytest.fixture(scope="module")

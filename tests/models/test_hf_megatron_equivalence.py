@@ -114,7 +114,7 @@ def _check_export(model, model_dir: Path, destination: str) -> dict:
     """Export in small buckets; compare what this rank receives with the HF file bit by bit."""
     from safetensors.torch import load_file
 
-    from megatron_gigpo.models import export_hf_weights
+    from megatron_gigpo.models.weights import export_hf_weights
 
     buckets = list(export_hf_weights(model, bucket_size_bytes=BUCKET_BYTES, destination=destination))
     received = [item for bucket in buckets for item in bucket]
@@ -140,7 +140,9 @@ def _check_export(model, model_dir: Path, destination: str) -> dict:
 
 def _load_error(model_dir: str, other_dir: str) -> str:
     """The message of the error raised when loading ``other_dir`` into a model built for ``model_dir``."""
-    from megatron_gigpo.models import WeightShapeError, build_gpt_model, load_hf_config, load_hf_weights
+    from megatron_gigpo.models.builder import build_gpt_model, load_hf_config
+    from megatron_gigpo.models.mapping import WeightShapeError
+    from megatron_gigpo.models.weights import load_hf_weights
 
     model = build_gpt_model(load_hf_config(model_dir))
     try:
@@ -154,7 +156,8 @@ def _run_layouts(rank: int, world_size: int, layouts, model_dirs, tokens, bad_lo
     from megatron.core import parallel_state as ps
 
     from megatron_gigpo.actor import distributed
-    from megatron_gigpo.models import build_gpt_model, load_hf_config, load_hf_weights
+    from megatron_gigpo.models.builder import build_gpt_model, load_hf_config
+    from megatron_gigpo.models.weights import load_hf_weights
 
     results = {}
     for tp, pp in layouts:

@@ -216,4 +216,5 @@ def test_a_same_node_transport_that_cannot_reach_an_engine_is_refused_naming_the
                  "engines [4, 5, 6, 7] are on node(s) [1] of trainer.nnodes=2", "without any actor rank",
                  "rollout.weight_sync_mode=disaggregated (transport 'broadcast')"):
         assert part in error
-    assert relay_errors(dataclasses.replace(stranded, colocated=False)) == []  # broadcast reaches every node
+    # broadcast reaches every node
+    assert relay_errors(dataclasses.replace(stranded, colocated=False, transport="broadcast")) == []

@@ -37,7 +37,8 @@ class MegatronRank:
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         torch.set_num_threads(1)
         from megatron_gigpo.actor import distributed
-        from megatron_gigpo.models import build_gpt_model, load_hf_config, load_hf_weights
+        from megatron_gigpo.models.builder import build_gpt_model, load_hf_config
+        from megatron_gigpo.models.weights import load_hf_weights
 
         distributed.initialize(tp, pp, seed=1234)
         self.model_dir = model_dir
@@ -52,7 +53,7 @@ class MegatronRank:
 
     def reload_checkpoint(self) -> None:
         """Back to the checkpoint's weights (undo the SGD steps)."""
-        from megatron_gigpo.models import load_hf_weights
+        from megatron_gigpo.models.weights import load_hf_weights
 
         load_hf_weights(self.model, self.model_dir)
 
@@ -90,7 +91,7 @@ class MegatronRank:
         return float(loss)
 
     def _export(self, bucket_size_bytes: int, dtype: torch.dtype | None = None):
-        from megatron_gigpo.models import export_hf_weights
+        from megatron_gigpo.models.weights import export_hf_weights
 
         return export_hf_weights(self.model, bucket_size_bytes=bucket_size_bytes, dtype=dtype)
 

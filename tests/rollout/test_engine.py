@@ -217,7 +217,7 @@ def test_trainer_side_errors_abort_every_engine(group, sender, ray_session, base
     before = group.compute_log_probs(sequences)
     version = versions[0][0] + 1
     missing = {n: t for n, t in list(base_weights.items())[:-1]}
-    plan = prepare_sync(group, version=version, bucket_size_bytes=1 << 16)
+    plan = prepare_sync(group, version=version, bucket_size_bytes=1 << 16, transport="shm")
     with pytest.raises(WeightSyncError, match="1 of .* weights were not sent"):
         ray_session.get(sender.push_weights.remote(plan, missing))
     renamed = dict(base_weights)

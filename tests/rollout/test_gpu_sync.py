@@ -47,7 +47,8 @@ def test_sleep_then_sync_then_wake(gpu_group, gpu_sender, ray_session, tiny_qwen
         reference = hf_log_probs(tiny_qwen_dir, weights, sequences)
         assert _max_diff(served, reference) > 0.1, f"{transport}: the pushed weights barely change the outputs"
         gpu_group.sleep()
-        plan = prepare_sync(gpu_group, version=version, bucket_size_bytes=1 << 16, transport=transport)
+        plan = prepare_sync(gpu_group, version=version, bucket_size_bytes=1 << 16, transport=transport,
+                            backend="nccl")
         report = ray_session.get(gpu_sender.push_weights.remote(plan, {n: t.cuda() for n, t in weights.items()}))
         assert report.checksum == weights_checksum(weights.items(), torch.float32)
         assert gpu_group.weights_version() == [(version, report.checksum)]

@@ -14,13 +14,13 @@ then row order, so it is identical on every rank and every run.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megatron_gigpo.envs.base import Task
+from megatron_gigpo.envs.search_qa.jsonl import read_jsonl_objects
 
 ENV_NAME = "search_qa"
 SPLITS = ("train", "val")
@@ -44,7 +44,13 @@ class QARecord:
 
 
 def _iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(row number, row dict) of a ``.jsonl`` or ``.parquet`` file."""
+    """(row number, row dict) of a ``.jsonl`` or ``.parquet`` file; rows are numbered from 0, blank jsonl lines
+    not counted.
+
+    Raises:
+        ImportError: a ``.parquet`` file without pyarrow installed.
+        ValueError: another suffix, or a jsonl line that is not a JSON object (names file and line).
+    """
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         try:
@@ -55,19 +61,7 @@ def _iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         return
     if suffix != ".jsonl":
         raise ValueError(f"question file {path}: unsupported suffix {suffix!r}; use .jsonl or .parquet")
-    with path.open(encoding="utf-8") as handle:
-        row_number = 0
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{line_number}: invalid JSON ({exc.msg})") from exc
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{line_number}: expected a JSON object, got {type(row).__name__}")
-            yield row_number, row
-            row_number += 1
+    yield from enumerate(row for _, row in read_jsonl_objects(path))
 
 
 def _answers(value: Any, where: str) -> tuple[str, ...]:

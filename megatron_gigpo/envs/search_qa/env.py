@@ -27,11 +27,13 @@ from typing import Any
 
 from megatron_gigpo.envs.base import Environment, ProjectedAction, ResetResult, StepResult, Task
 from megatron_gigpo.envs.search_qa.answers import exact_match
+from megatron_gigpo.envs.search_qa.backends import shared_retriever
 from megatron_gigpo.envs.search_qa.datasets import ENV_NAME
 from megatron_gigpo.envs.search_qa.passages import INFORMATION_FORMATS, Passage, format_information
-from megatron_gigpo.envs.search_qa.retriever import Retriever, check_top_k, shared_retriever
+from megatron_gigpo.envs.search_qa.retriever import Retriever, check_top_k
 
 ACTION_TYPES = ("search", "answer")
+MAX_TURNS = 4  # turns of an episode (GiGPO's search setting): SearchQAEnv's default and RECIPE.step_limit
 _ACTION_BLOCK = re.compile(r"<(search|answer)>(.*?)</\1>", re.IGNORECASE | re.DOTALL)
 _ACTION_OPEN = re.compile(r"<(?:search|answer)>", re.IGNORECASE)
 _SEARCH_BLOCK = re.compile(r"<search>(.*?)</search>", re.IGNORECASE | re.DOTALL)
@@ -85,7 +87,7 @@ class SearchQAEnv(Environment):
     Args:
         retriever: a :class:`Retriever`, or its recipe form ``{"backend": name, **kwargs}`` (e.g.
             ``{"backend": "elasticsearch", "url": ..., "index": ...}``), built once per process through
-            :func:`~.retriever.shared_retriever`.
+            :func:`~.backends.shared_retriever`.
         top_k: passages per search (Search-R1 and GiGPO use 3).
         max_turns: turns before the episode is cut off (GiGPO's search setting: 4).
         information_format: layout of the search observation, ``search_r1`` or ``verl_agent`` (see
@@ -104,7 +106,7 @@ class SearchQAEnv(Environment):
         retriever: Retriever | Mapping[str, Any],
         *,
         top_k: int = 3,
-        max_turns: int = 4,
+        max_turns: int = MAX_TURNS,
         information_format: str = "search_r1",
     ):
         check_top_k(top_k)

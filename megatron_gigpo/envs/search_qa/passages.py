@@ -1,4 +1,5 @@
-"""Retrieved passages: the corpus record, the jsonl reader, and the observation format.
+"""Retrieved passages: the corpus record, the corpus reader (lines read by :mod:`.jsonl`), and the observation
+format.
 
 Corpus files follow the FlashRAG / Search-R1 wiki-18 layout: one JSON object per line with ``id`` and
 ``contents``, where ``contents`` is the title line, a newline, then the passage text. Rows with separate
@@ -11,6 +12,8 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from megatron_gigpo.envs.search_qa.jsonl import read_jsonl_objects
 
 
 @dataclass(frozen=True)
@@ -75,18 +78,8 @@ def read_passages(path: str | Path) -> Iterator[Passage]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"passage corpus not found: {path}")
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: invalid JSON ({exc.msg})") from exc
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            yield parse_passage_row(row, where)
+    for line_number, row in read_jsonl_objects(path):
+        yield parse_passage_row(row, f"{path}:{line_number}")
 
 
 #: Layouts of the observation after a search (``env.search.information_format``).

@@ -11,8 +11,10 @@ from typing import Any
 from megatron_gigpo.envs.base import Task
 from megatron_gigpo.envs.recipe import EnvRecipe, env_path
 from megatron_gigpo.episodes.templates import COMPACT_LAYOUT, PromptTemplate
+from megatron_gigpo.envs.search_qa.backends import BACKENDS, build_retriever
+from megatron_gigpo.envs.search_qa.env import MAX_TURNS
 from megatron_gigpo.envs.search_qa.passages import INFORMATION_FORMATS
-from megatron_gigpo.envs.search_qa.retriever import BACKENDS
+from megatron_gigpo.envs.search_qa.retriever import RetrieverUnavailableError
 from megatron_gigpo.fields import choice, num
 
 
@@ -34,7 +36,11 @@ class SearchConfig:
 
 
 def retriever_settings(env: Any) -> dict[str, Any]:
-    """``{"backend": ..., **kwargs}`` of :func:`~megatron_gigpo.envs.search_qa.build_retriever` for ``env.search``."""
+    """``{"backend": ..., **kwargs}`` of :func:`.backends.build_retriever` for ``env.search``.
+
+    Raises:
+        ValueError: the path the local retriever needs is not set (the message names the key).
+    """
     s = env.search
     if s.retriever == "elasticsearch":
         return {"backend": "elasticsearch", "url": s.url, "index": s.index_name}
@@ -67,8 +73,6 @@ def _check_resources(env: Any) -> list[str]:
     if env.search.retriever == "http":
         problems += _check_retrieval_server(env.search.url)
     elif env.search.retriever == "elasticsearch":
-        from megatron_gigpo.envs.search_qa.retriever import RetrieverUnavailableError, build_retriever
-
         settings = retriever_settings(env)
         try:
             build_retriever(settings.pop("backend"), **settings).close()
@@ -81,7 +85,6 @@ def _check_resources(env: Any) -> list[str]:
 
 def _check_retrieval_server(url: str) -> list[str]:
     """Whether a retrieval server answers at ``env.search.url`` (one request, a few seconds at most)."""
-    from megatron_gigpo.envs.search_qa import RetrieverUnavailableError
     from megatron_gigpo.envs.search_qa.http_retriever import probe_retrieval_server
 
     try:
@@ -169,4 +172,5 @@ COMPACT_SEARCH_QA_TEMPLATE = PromptTemplate(
 
 
 RECIPE = EnvRecipe(section="search", settings=SearchConfig, env_kwargs=_env_kwargs, task_list=_task_list,
-                   check_resources=_check_resources, templates=(SEARCH_QA_TEMPLATE, COMPACT_SEARCH_QA_TEMPLATE))
+                   check_resources=_check_resources, templates=(SEARCH_QA_TEMPLATE, COMPACT_SEARCH_QA_TEMPLATE),
+                   step_limit=MAX_TURNS)

@@ -26,14 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_gigpo.envs.search_qa.backends import build_retriever
 from megatron_gigpo.envs.search_qa.passages import Passage
-from megatron_gigpo.envs.search_qa.retriever import (
-    Retriever,
-    RetrieverUnavailableError,
-    build_retriever,
-    import_extra,
-    redact_url,
-)
+from megatron_gigpo.envs.search_qa.retriever import Retriever, RetrieverUnavailableError, import_extra, redact_url
 
 SERVED_BACKENDS = ("bm25", "dense", "elasticsearch")
 

@@ -34,11 +34,22 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+# The catalog's defaults, each stated only here: CatalogFiles, WebShopEnv, load_tasks, the recipe's env.webshop
+# settings (WebShopConfig) and the synthetic data writer read them.
+ITEMS_FILE = "items_shuffle_1000.json"  # WebShop's 1,000-product subset (setup.sh -d small)
+ATTRIBUTES_FILE = "items_ins_v2_1000.json"
+HUMAN_GOALS_FILE = "items_human_ins.json"
+REVIEWS_FILE: str | None = None  # no reviews file: no reviews, rating "N.A."
+# Synthetic goals (verl-agent's default: env.webshop.human_goals: False in verl/trainer/config/ppo_trainer.yaml).
+HUMAN_GOALS = False
+NUM_PRODUCTS = 1000  # products kept from the items file (the recipe's env.webshop.num_products)
+GOAL_SEED = 233  # WebShop's goal shuffle seed
+
 SEARCH_RETURN_N = 50  # WebShop returns the top 50 hits, shown 10 per page.
 PRICE_RANGE = [10.0 * i for i in range(1, 100)]
 _NO_PRICE_CEILING = 1_000_000.0
 _HOW_TO_GET_DATA = (
-    "Get the WebShop data files (items_shuffle_1000.json, items_ins_v2_1000.json, items_human_ins.json) from the "
+    f"Get the WebShop data files ({ITEMS_FILE}, {ATTRIBUTES_FILE}, {HUMAN_GOALS_FILE}) from the "
     "WebShop repository's setup script (princeton-nlp/WebShop, setup.sh -d small) and set the WebShop data_dir "
     "to the folder holding them; megatron_gigpo.envs.webshop.synthetic.write_synthetic_webshop_data writes "
     "small files in the same schema for tests and smoke runs."
@@ -57,18 +68,21 @@ class CatalogFiles:
         reviews_file: optional reviews/ratings file; None shows no reviews and rating "N.A.".
         human_goals: use the human instructions (True) or the synthetic ones (False, the default: verl-agent's
             ``env.webshop.human_goals: False`` in ``verl/trainer/config/ppo_trainer.yaml``).
-        num_products: keep only the first ``num_products`` products (None: all), like WebShop's ``num_products``.
+        num_products: keep only the first ``num_products`` products (None: all), like WebShop's ``num_products``;
+            default :data:`NUM_PRODUCTS` (1000).
         goal_seed: seed of the goal shuffle and of the per-goal price draws (WebShop: 233).
+
+    The defaults are the module constants above (:data:`ITEMS_FILE`, ...).
     """
 
     data_dir: str
-    items_file: str = "items_shuffle_1000.json"
-    attributes_file: str = "items_ins_v2_1000.json"
-    human_goals_file: str = "items_human_ins.json"
-    reviews_file: str | None = None
-    human_goals: bool = False
-    num_products: int | None = None
-    goal_seed: int = 233
+    items_file: str = ITEMS_FILE
+    attributes_file: str = ATTRIBUTES_FILE
+    human_goals_file: str = HUMAN_GOALS_FILE
+    reviews_file: str | None = REVIEWS_FILE
+    human_goals: bool = HUMAN_GOALS
+    num_products: int | None = NUM_PRODUCTS
+    goal_seed: int = GOAL_SEED
 
 
 def _read_json(data_dir: Path, name: str, what: str) -> Any:

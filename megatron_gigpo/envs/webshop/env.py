@@ -29,8 +29,18 @@ from typing import Any
 
 from megatron_gigpo.envs.actions import project_tagged_action
 from megatron_gigpo.envs.base import Environment, ProjectedAction, ResetResult, StepResult, Task
-from megatron_gigpo.envs.webshop.catalog import CatalogFiles, load_catalog
-from megatron_gigpo.envs.webshop.reward import purchase_score
+from megatron_gigpo.envs.webshop.catalog import (
+    ATTRIBUTES_FILE,
+    GOAL_SEED,
+    HUMAN_GOALS,
+    HUMAN_GOALS_FILE,
+    ITEMS_FILE,
+    NUM_PRODUCTS,
+    REVIEWS_FILE,
+    CatalogFiles,
+    load_catalog,
+)
+from megatron_gigpo.envs.webshop.reward import SPACY_MODEL, purchase_score
 
 PRODUCTS_PER_PAGE = 10
 SEARCH_ACTION = "search[<your query>]"  # how the search bar is listed among the admissible actions
@@ -38,6 +48,7 @@ BACK_TO_SEARCH, NEXT_PAGE, PREV_PAGE, BUY_NOW = "back to search", "next >", "< p
 SUB_PAGES = {"description": "Description", "features": "Features", "reviews": "Reviews"}
 _ACTION = re.compile(r"^\s*(search|click)\[(.+)\]\s*$", re.IGNORECASE | re.DOTALL)
 SEP = " [SEP] "
+MAX_STEPS = 15  # episode length (the paper's WebShop setting): WebShopEnv's default and RECIPE.step_limit
 # Characters of a response without an action block sent as the action (verl-agent's WebShop projection).
 MISSING_ACTION_CHARS = 20
 
@@ -75,10 +86,10 @@ class WebShopEnv(Environment):
     Args:
         data_dir: folder with the WebShop data files (see :mod:`megatron_gigpo.envs.webshop.catalog`).
         items_file, attributes_file, human_goals_file, reviews_file, human_goals, num_products, goal_seed:
-            see :class:`~megatron_gigpo.envs.webshop.catalog.CatalogFiles`.
+            see :class:`~megatron_gigpo.envs.webshop.catalog.CatalogFiles` (same defaults).
         max_steps: steps before the episode ends without a purchase (15 in the paper).
         win_reward: reward when the purchase scores 1.0 (10 in the paper).
-        spacy_model: spaCy pipeline for the type reward's title nouns (None: content words).
+        spacy_model: spaCy pipeline for the type reward's title nouns (default None: content words).
 
     Raises:
         FileNotFoundError: missing data folder or file (the message says where to get the data).
@@ -89,16 +100,16 @@ class WebShopEnv(Environment):
     def __init__(
         self,
         data_dir: str,
-        items_file: str = "items_shuffle_1000.json",
-        attributes_file: str = "items_ins_v2_1000.json",
-        human_goals_file: str = "items_human_ins.json",
-        reviews_file: str | None = None,
-        human_goals: bool = False,
-        num_products: int | None = None,
-        goal_seed: int = 233,
-        max_steps: int = 15,
+        items_file: str = ITEMS_FILE,
+        attributes_file: str = ATTRIBUTES_FILE,
+        human_goals_file: str = HUMAN_GOALS_FILE,
+        reviews_file: str | None = REVIEWS_FILE,
+        human_goals: bool = HUMAN_GOALS,
+        num_products: int | None = NUM_PRODUCTS,
+        goal_seed: int = GOAL_SEED,
+        max_steps: int = MAX_STEPS,
         win_reward: float = 10.0,
-        spacy_model: str | None = None,
+        spacy_model: str | None = SPACY_MODEL,
     ) -> None:
         if max_steps < 1:
             raise ValueError(f"WebShopEnv: max_steps must be >= 1, got {max_steps}")
@@ -263,19 +274,20 @@ def load_tasks(
     data_dir: str,
     num_val: int = 500,
     num_tasks: int | None = None,
-    items_file: str = "items_shuffle_1000.json",
-    attributes_file: str = "items_ins_v2_1000.json",
-    human_goals_file: str = "items_human_ins.json",
-    reviews_file: str | None = None,
-    human_goals: bool = False,
-    num_products: int | None = None,
-    goal_seed: int = 233,
+    items_file: str = ITEMS_FILE,
+    attributes_file: str = ATTRIBUTES_FILE,
+    human_goals_file: str = HUMAN_GOALS_FILE,
+    reviews_file: str | None = REVIEWS_FILE,
+    human_goals: bool = HUMAN_GOALS,
+    num_products: int | None = NUM_PRODUCTS,
+    goal_seed: int = GOAL_SEED,
 ) -> list[Task]:
     """WebShop goals as tasks: val = the first ``num_val`` shuffled goals (verl-agent: 500), train = the rest.
 
     Args:
         split: ``train`` or ``val``.
-        data_dir, items_file, ...: the catalog's files (see :class:`CatalogFiles`); must match the env's.
+        data_dir, items_file, ...: the catalog's files (see :class:`CatalogFiles`, same defaults); must match
+            the env's.
         num_val: size of the val split.
         num_tasks: keep only the first ``num_tasks`` of the split.
 

@@ -26,6 +26,9 @@ from typing import Any
 from rapidfuzz import fuzz, utils
 
 FUZZY_THRESHOLD = 85
+# spaCy pipeline for the title nouns by default: none (content words). WebShopEnv and the recipe's
+# env.webshop.spacy_model read this default.
+SPACY_MODEL: str | None = None
 EXACT_MATCH_OPTIONS = ("size",)
 # Colour names checked longest-first so that "light blue" wins over "blue".
 _COLORS = sorted(
@@ -135,7 +138,7 @@ def option_matches(product: dict[str, Any], goal_options: list[str], chosen: dic
 
 def purchase_score(
     product: dict[str, Any], goal: dict[str, Any], price: float, chosen_options: dict[str, str],
-    spacy_model: str | None = None,
+    spacy_model: str | None = SPACY_MODEL,
 ) -> tuple[float, dict[str, Any]]:
     """WebShop's score of buying ``product`` at ``price`` with ``chosen_options`` for ``goal``.
 

@@ -1,7 +1,8 @@
 """Small WebShop data files in the real schema, for tests, benchmarks and smoke runs without the download.
 
-:func:`write_synthetic_webshop_data` writes ``items_shuffle_1000.json``, ``items_ins_v2_1000.json`` and
-``items_human_ins.json`` (the field layout documented in :mod:`megatron_gigpo.envs.webshop.catalog`) with
+:func:`write_synthetic_webshop_data` writes the catalog's default files (:data:`.catalog.ITEMS_FILE`,
+``ATTRIBUTES_FILE``, ``HUMAN_GOALS_FILE``: ``items_shuffle_1000.json``, ``items_ins_v2_1000.json`` and
+``items_human_ins.json``, the field layout documented in :mod:`megatron_gigpo.envs.webshop.catalog`) with
 products drawn from a handful of categories, so that searches, wrong purchases and perfect purchases behave
 as in the real benchmark. The content is generated; it is not WebShop data.
 """
@@ -13,6 +14,8 @@ import os
 import random
 import tempfile
 from pathlib import Path
+
+from megatron_gigpo.envs.webshop.catalog import ATTRIBUTES_FILE, HUMAN_GOALS_FILE, ITEMS_FILE
 
 # (category, query, category path, product nouns, attribute pool)
 _CATEGORIES = [
@@ -93,6 +96,9 @@ def write_synthetic_webshop_data(out_dir: str | Path, num_products: int = 100, s
 
     Returns:
         {"items": path, "attributes": path, "human_goals": path}.
+
+    Raises:
+        ValueError: ``num_products`` < 1.
     """
     if num_products < 1:
         raise ValueError(f"write_synthetic_webshop_data: num_products must be >= 1, got {num_products}")
@@ -105,11 +111,7 @@ def write_synthetic_webshop_data(out_dir: str | Path, num_products: int = 100, s
         items.append(product)
         attrs[product["asin"]] = attribute_record
         human[product["asin"]] = instructions
-    paths = {
-        "items": out / "items_shuffle_1000.json",
-        "attributes": out / "items_ins_v2_1000.json",
-        "human_goals": out / "items_human_ins.json",
-    }
+    paths = {"items": out / ITEMS_FILE, "attributes": out / ATTRIBUTES_FILE, "human_goals": out / HUMAN_GOALS_FILE}
     _atomic_json(paths["items"], items)
     _atomic_json(paths["attributes"], attrs)
     _atomic_json(paths["human_goals"], human)

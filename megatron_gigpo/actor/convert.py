@@ -162,7 +162,7 @@ def _load_lora_checkpoint(model, megatron_dir: Path, lora_doc: dict, base_dir: s
     must match), adapters attached and loaded from ``megatron_dir``. Returns the LoraConfig."""
     from megatron_gigpo.actor.lora import apply_lora
     from megatron_gigpo.actor.lora_files import check_lora_reference, load_lora_adapters
-    from megatron_gigpo.config import LoraConfig
+    from megatron_gigpo.models.config import LoraConfig
 
     base_dir = Path(base_dir or lora_doc["base_model_path"])
     lora = LoraConfig(enabled=True, rank=lora_doc["rank"], alpha=lora_doc["alpha"], dropout=lora_doc["dropout"],

@@ -1,0 +1,68 @@
+"""The recipe's ``algorithm`` section (:class:`AlgorithmConfig`, with ``algorithm.dynamic_sampling``): the
+advantage estimator (GiGPO paper Sec. 4) and the policy loss.
+
+Passed whole to the advantage estimators (:func:`megatron_gigpo.algo.advantages.compute_advantages`), to the
+policy update as the actor's ``loss`` (:mod:`megatron_gigpo.actor.update`) and to dynamic sampling
+(:mod:`megatron_gigpo.episodes.dynamic_sampling`). Names that a registry or a torch module defines are checked
+against it where it lives (``"module:NAME"``, :func:`megatron_gigpo.fields.choice`), so this module imports no
+torch and none of the code it configures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_gigpo.fields import choice, num
+
+__all__ = ["AlgorithmConfig", "DynamicSamplingConfig"]
+
+_LOSSES = "megatron_gigpo.algo.losses"
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """Dynamic sampling (``algorithm.dynamic_sampling``; DAPO's group filter, verl-agent's GiGPO dynamic trainer):
+    drop episode groups that carry no learning signal and collect new groups, round after round, until the
+    batch holds ``env.num_groups`` informative groups or ``max_rounds`` generation rounds ran (then it trains
+    on the informative groups it has, with a warning). Surplus groups of the last round are dropped, the latest
+    first. Validation never filters. :mod:`megatron_gigpo.episodes.dynamic_sampling`."""
+
+    enabled: bool = False
+    # episode_return (default; verl-agent / DAPO): all N trajectory returns of the group are equal |
+    # joint: every row's advantage (GiGPO: A^E + omega * A^S) is zero, so equal returns with step signal stay
+    criterion: str = choice("episode_return", "megatron_gigpo.episodes.dynamic_sampling:CRITERIA")
+    max_rounds: int = num(10, ge=1)  # generation rounds per iteration, the first included
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimator (GiGPO paper Sec. 4) and policy loss (PPO clip + KL). Passed whole to the advantage
+    estimators (:func:`megatron_gigpo.algo.advantages.compute_advantages`) and, as the actor's ``loss``, to the
+    policy update (:mod:`megatron_gigpo.actor.update`)."""
+
+    # megatron_gigpo.algo.advantages.ADVANTAGE_ESTIMATORS
+    adv_estimator: str = choice("gigpo", "megatron_gigpo.algo.advantages:ADVANTAGE_ESTIMATORS")
+    gamma: float = num(0.95, gt=0, le=1)  # discount of the step returns (GiGPO Sec. 4.2)
+    step_advantage_w: float = num(1.0, ge=0)  # omega in A = A_E + omega * A_S
+    # mean_std_norm: (x - mean) / (std + epsilon) over the group | mean_norm: x - mean
+    mode: str = choice("mean_std_norm", "megatron_gigpo.algo.group_stats:MODES")
+    # trajectory (paper) | per_step_row (verl-agent parity)
+    episode_stats: str = choice("trajectory", "megatron_gigpo.algo.advantages:EPISODE_STATS")
+    enable_similarity: bool = False
+    similarity_thresh: float = num(0.95, gt=0, lt=1)
+    epsilon: float = num(1e-6, gt=0)
+    # c is subtracted from the episode score and the step return of a row whose action was invalid
+    invalid_action_penalty: bool = True
+    invalid_action_penalty_coef: float = num(0.1, ge=0)
+    # vanilla: PPO clipped surrogate (RL) | nll: supervised NLL (megatron_gigpo.algo.losses.POLICY_LOSSES)
+    policy_loss: str = choice("vanilla", f"{_LOSSES}:POLICY_LOSSES")
+    use_kl_loss: bool = True  # a frozen reference model is built only when true
+    kl_loss_type: str = choice("low_var_kl", f"{_LOSSES}:KL_ESTIMATORS")
+    kl_loss_coef: float = num(0.01, ge=0)
+    clip_ratio_low: float = num(0.2, ge=0, lt=1)  # the ratio is clipped to [1 - low, 1 + high]
+    clip_ratio_high: float = num(0.2, ge=0)
+    clip_ratio_c: float = num(3.0, gt=1)  # dual-clip bound for negative advantages
+    entropy_coeff: float = num(0.001, ge=0)  # entropy bonus weight (subtracted from the loss)
+    # the mean is over the whole mini-batch (all micro-batches and data-parallel ranks)
+    loss_agg_mode: str = choice("token-mean", f"{_LOSSES}:LOSS_AGG_MODES")
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
