@@ -63,6 +63,8 @@ _VERBAL_PREFIX = re.compile(r"^(?:move|push|go|step)\s+")
 # Seeds of the val split start here so that train and val rooms never coincide.
 VAL_SEED_OFFSET = 1_000_000_000
 MAX_STEPS = 15  # episode length (the paper's Sokoban setting): SokobanEnv's default and RECIPE.step_limit
+DIM_ROOM = (6, 6)  # rows, columns of a room, outer wall included (the paper's): SokobanEnv's and env.sokoban's default
+NUM_BOXES = 1  # boxes (and targets) per room (the paper's): SokobanEnv's and env.sokoban's default
 
 TASK_DESCRIPTION = "Push every box (X) onto a target (O)."
 
@@ -194,8 +196,8 @@ class SokobanEnv(Environment):
 
     def __init__(
         self,
-        dim_room: tuple[int, int] | list[int] = (6, 6),
-        num_boxes: int = 1,
+        dim_room: tuple[int, int] | list[int] = DIM_ROOM,
+        num_boxes: int = NUM_BOXES,
         max_steps: int = MAX_STEPS,
         num_gen_steps: int | None = None,
         max_generation_attempts: int = 20,
@@ -305,8 +307,8 @@ TRAIN_ROOMS = 100_000
 class SokobanConfig:
     """``env.sokoban``: the generated rooms."""
 
-    dim_room: list[int] = num(factory=lambda: [6, 6], ge=3, length=2)  # rows, columns (outer wall included)
-    num_boxes: int = num(1, ge=1)
+    dim_room: list[int] = num(factory=lambda: list(DIM_ROOM), ge=3, length=2)  # rows, columns (outer wall included)
+    num_boxes: int = num(NUM_BOXES, ge=1)
 
 
 def _env_kwargs(env: Any) -> dict[str, Any]:

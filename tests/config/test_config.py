@@ -271,3 +271,46 @@ def test_search_information_format_reaches_the_environment(tmp_path, shared_dir)
     assert env_kwargs(cfg.env)["information_format"] == "verl_agent"
     with pytest.raises(ConfigError, match="information_format"):
         load_config(path, ["env.search.information_format=xml"])
+
+
+def test_group_relative_estimators_are_read_from_the_registry():
+    """``rollout.n >= 2`` and dynamic sampling are asked of exactly the estimators registered as group-relative:
+    an estimator registered with ``group_relative=False`` validates with one rollout per task and cannot drive
+    dynamic sampling; the registry's names are the choices of ``algorithm.adv_estimator``."""
+    from megatron_gigpo.algo.advantages import (
+        ADVANTAGE_ESTIMATORS,
+        GROUP_RELATIVE_ESTIMATORS,
+        register_advantage_estimator,
+    )
+    from megatron_gigpo.config import group_relative_estimators
+
+    assert group_relative_estimators() == ("gigpo", "grpo", "rloo")
+    recipe = RECIPES / "smoke/cpu.yaml"
+    with pytest.raises(ConfigError, match="group-relative estimator 'grpo' needs a group size >= 2"):
+        load_config(recipe, ["algorithm.adv_estimator=grpo", "rollout.n=1"])
+    register_advantage_estimator("baseline_only", group_relative=False)(lambda inputs, params: None)
+    register_advantage_estimator("my_grpo")(lambda inputs, params: None)  # group-relative by default
+    try:
+        with pytest.raises(ConfigError, match="group-relative estimator 'my_grpo' needs a group size >= 2"):
+            load_config(recipe, ["algorithm.adv_estimator=my_grpo", "rollout.n=1"])
+        assert "baseline_only" not in group_relative_estimators()
+        cfg = load_config(recipe, ["algorithm.adv_estimator=baseline_only", "rollout.n=1"])
+        assert cfg.algorithm.adv_estimator == "baseline_only"
+        with pytest.raises(ConfigError, match=r"needs a group-relative estimator \(gigpo, grpo, rloo, my_grpo\), got "
+                                              r"algorithm.adv_estimator='baseline_only'"):
+            load_config(recipe, ["algorithm.adv_estimator=baseline_only", "algorithm.dynamic_sampling.enabled=true"])
+    finally:
+        del ADVANTAGE_ESTIMATORS["baseline_only"], ADVANTAGE_ESTIMATORS["my_grpo"]
+        GROUP_RELATIVE_ESTIMATORS.remove("my_grpo")
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator='baseline_only' is not one of gigpo, grpo, rloo"):
+        load_config(recipe, ["algorithm.adv_estimator=baseline_only"])
+
+
+def test_the_params_dtype_rule_is_stated_once():
+    """float32 on CPU whatever ``model.dtype`` says, ``model.dtype`` on CUDA: the actor, the engines and the memory
+    plan all read :meth:`ModelConfig.params_dtype`."""
+    from megatron_gigpo.builders import actor_config
+
+    cfg = load_config(RECIPES / "smoke/cpu.yaml", ["model.dtype=bfloat16"])
+    assert cfg.model.params_dtype("cpu") == "float32" and cfg.model.params_dtype("cuda") == "bfloat16"
+    assert actor_config(cfg, "/nonexistent").params_dtype == "float32"

@@ -218,3 +218,18 @@ def test_a_same_node_transport_that_cannot_reach_an_engine_is_refused_naming_the
         assert part in error
     # broadcast reaches every node
     assert relay_errors(dataclasses.replace(stranded, colocated=False, transport="broadcast")) == []
+
+
+@pytest.mark.parametrize("recipe, overrides, transport, backend", [
+    ("smoke/cpu.yaml", [], "shm", "gloo"),
+    ("smoke/cpu.yaml", ["rollout.weight_sync_mode=disaggregated"], "broadcast", "gloo"),
+    ("alfworld/qwen2.5-7b-instruct.yaml", [], "cuda_ipc", "nccl"),
+    ("sokoban/qwen2.5-1.5b-instruct.yaml", ["trainer.nnodes=2", "rollout.weight_sync_mode=disaggregated"],
+     "broadcast", "nccl"),
+])
+def test_the_plan_decides_the_weight_sync_transport_and_backend(recipe, overrides, transport, backend):
+    """One decision: the plan's transport and backend are what the run's sync uses (builders passes them) and
+    what ``validate --plan`` prints."""
+    plan = plan_placement(load_config(RECIPES / recipe, overrides))
+    assert (plan.transport, plan.collective_backend) == (transport, backend)
+    assert f"weight sync: transport {transport};" in format_plan(plan)

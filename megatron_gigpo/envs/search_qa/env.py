@@ -34,6 +34,7 @@ from megatron_gigpo.envs.search_qa.retriever import Retriever, check_top_k
 
 ACTION_TYPES = ("search", "answer")
 MAX_TURNS = 4  # turns of an episode (GiGPO's search setting): SearchQAEnv's default and RECIPE.step_limit
+TOP_K = 3  # passages per search (Search-R1's and GiGPO's): SearchQAEnv's default and env.search.top_k's
 _ACTION_BLOCK = re.compile(r"<(search|answer)>(.*?)</\1>", re.IGNORECASE | re.DOTALL)
 _ACTION_OPEN = re.compile(r"<(?:search|answer)>", re.IGNORECASE)
 _SEARCH_BLOCK = re.compile(r"<search>(.*?)</search>", re.IGNORECASE | re.DOTALL)
@@ -105,9 +106,9 @@ class SearchQAEnv(Environment):
         self,
         retriever: Retriever | Mapping[str, Any],
         *,
-        top_k: int = 3,
+        top_k: int = TOP_K,
         max_turns: int = MAX_TURNS,
-        information_format: str = "search_r1",
+        information_format: str = INFORMATION_FORMATS[0],
     ):
         check_top_k(top_k)
         if max_turns < 1:

@@ -82,11 +82,11 @@ def read_passages(path: str | Path) -> Iterator[Passage]:
         yield parse_passage_row(row, f"{path}:{line_number}")
 
 
-#: Layouts of the observation after a search (``env.search.information_format``).
+#: Layouts of the observation after a search (``env.search.information_format``); the first is the default.
 INFORMATION_FORMATS = ("search_r1", "verl_agent")
 
 
-def format_information(passages: Sequence[Passage], information_format: str = "search_r1") -> str:
+def format_information(passages: Sequence[Passage], information_format: str = INFORMATION_FORMATS[0]) -> str:
     """The observation after a search; the string is also the step's anchor, so it holds nothing but the
     retrieved text. Passages in rank order.
 

@@ -12,7 +12,7 @@ from megatron_gigpo.envs.base import Task
 from megatron_gigpo.envs.recipe import EnvRecipe, env_path
 from megatron_gigpo.episodes.templates import COMPACT_LAYOUT, PromptTemplate
 from megatron_gigpo.envs.search_qa.backends import BACKENDS, build_retriever
-from megatron_gigpo.envs.search_qa.env import MAX_TURNS
+from megatron_gigpo.envs.search_qa.env import MAX_TURNS, TOP_K
 from megatron_gigpo.envs.search_qa.passages import INFORMATION_FORMATS
 from megatron_gigpo.envs.search_qa.retriever import RetrieverUnavailableError
 from megatron_gigpo.fields import choice, num
@@ -28,9 +28,9 @@ class SearchConfig:
     index_path: str | None = None
     url: str = "http://127.0.0.1:9200"  # Elasticsearch node, or the http server's endpoint (.../retrieve)
     index_name: str = "wiki"
-    top_k: int = num(3, ge=1)
+    top_k: int = num(TOP_K, ge=1)
     # search_r1: `Doc i(Title: t) text` lines | verl_agent: {"result": "Doc i: contents"} JSON (the paper's code)
-    information_format: str = choice("search_r1", INFORMATION_FORMATS)
+    information_format: str = choice(INFORMATION_FORMATS[0], INFORMATION_FORMATS)
     train_file: str | None = None  # questions (jsonl or parquet, Search-R1's layout)
     val_file: str | None = None
 
