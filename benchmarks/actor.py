@@ -118,9 +118,9 @@ def _rank_main(rank: int, world_size: int, port: int, tp: int, lora: bool, model
         from megatron_gigpo.actor.config import ActorConfig
         from megatron_gigpo.actor.lora import count_parameters
         from megatron_gigpo.actor.policy import PolicyActor
-        from megatron_gigpo.config import LoraConfig
+        from megatron_gigpo.models.config import LoraConfig, ModelConfig
 
-        dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+        dtype = args.dtype or ModelConfig(path=str(model_dir)).params_dtype(args.device)  # bf16 on CUDA, fp32 on CPU
         config = ActorConfig.build(
             model_dir, params_dtype=dtype, tensor_model_parallel_size=tp, lr=1e-6, use_kl_loss=False, entropy_coeff=0.0,
             ppo_mini_batch_size=args.rows, micro_batch_tokens=args.micro_batch_tokens,

@@ -5,8 +5,8 @@
 
 1. One cold start (``megatron-gigpo sft`` on the recipe's expert demonstrations) gives the starting policy.
 2. From it, each method trains ``--iterations`` RL iterations (default: the recipe's
-   ``trainer.total_iterations``; the README recipe's 20 take ~3 hours for five methods at 3 seeds, so README's
-   run uses ``--iterations 5``) on each of ``--seeds`` seeds (``trainer.seed`` and
+   ``trainer.total_iterations``; the main job's 20 take ~3 hours for five methods at 3 seeds, so the run in
+   docs/benchmarks.md uses ``--iterations 5``) on each of ``--seeds`` seeds (``trainer.seed`` and
    ``env.seed``), with the same groups, group size and step limit, so every run takes the same number of
    environment episodes (``gigpo_dynamic`` at least as many):
 
@@ -30,7 +30,7 @@ std over seeds), the step-group size histogram of the first and last iteration o
 Figure 7 view), writes ``<out>/learning.png`` (both curves) and ``<out>/step_groups.png`` and a
 ``<out>/summary.json``, and ends with ``gigpo_minus_grpo=<points>``: the final held-out success of GiGPO minus
 that of GRPO, in percentage points (mean over seeds). It is a benchmark, not a test. Measured on a 2-core
-machine (2026-12-05, a slow day: ~90 s per iteration of the README recipe, ~55 s per 512-room validation):
+machine (2026-12-05, a slow day: ~90 s per iteration of the main job's recipe, ~55 s per 512-room validation):
 the four methods at 3 seeds and 5 iterations took ~110 minutes for their 12 runs (6-11 minutes each) after a
 13-minute cold start; on a normal day of that machine (~45 s per iteration) about 70 minutes in all. An existing ``--out`` folder's cold start
 and finished runs are reused, so change ``--out`` when the recipe or the iteration count changes.

@@ -136,7 +136,8 @@ def bench_sync(name: str, model_dir: Path, tp: int, pp: int, args) -> dict[str, 
         for version in range(1, args.repeats + 2):  # the first sync warms up (Ray, broadcast, allocator)
             tick = time.perf_counter()
             metrics = sync_weights(ranks, [engine], version=version, bucket_size_bytes=args.bucket_mb << 20,
-                                   transport="shm", timeout_s=args.timeout_s)  # a colocated CPU plan's transport
+                                   # a colocated CPU plan's transport
+                                   transport="shm", backend="gloo", timeout_s=args.timeout_s)
             metrics["wall_s"] = time.perf_counter() - tick
             if version > 1:
                 rows.append(metrics)

@@ -50,7 +50,14 @@ def _print_plan(cfg, gpu_memory_gib: float) -> None:
     if hf is None:
         print(f"memory: no estimate, the architecture of model.path '{cfg.model.path}' is unknown")
         return
-    print(format_memory(estimate_memory(cfg, plan, hf, gpu_memory_gib), gpu_memory_gib))
+    from megatron_gigpo.models.mapping import UnsupportedModelError
+
+    try:
+        rows = estimate_memory(cfg, plan, hf, gpu_memory_gib)
+    except UnsupportedModelError as exc:  # the family's mapping states its q/k/v biases: none, no estimate
+        print(f"memory: no estimate for model.path '{cfg.model.path}': {exc}")
+        return
+    print(format_memory(rows, gpu_memory_gib))
 
 
 def _gib(text: str) -> float:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install megatron-gigpo with everything its CPU run and its tests need, on a fresh Debian machine with
-# Python 3.11 (idempotent: a second run only checks). GPU clusters: see README "GPU install".
+# Python 3.11 (idempotent: a second run only checks). GPU clusters: see docs/gpu-install.md.
 #   bash scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

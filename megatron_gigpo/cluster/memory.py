@@ -68,7 +68,7 @@ def _layer_params(hf: dict[str, Any]) -> tuple[int, int]:
     kv_heads = hf.get("num_key_value_heads") or heads
     d = hf.get("head_dim") or h // heads
     attention = h * heads * d + 2 * h * kv_heads * d + heads * d * h
-    if mapping_for(hf.get("model_type")).qkv_bias(SimpleNamespace(**hf)):  # the model family's own mapping says
+    if mapping_for(hf.get("model_type"), hf.get("architectures")).qkv_bias(SimpleNamespace(**hf)):  # the family says
         attention += heads * d + 2 * kv_heads * d
     mlp = 3 * h * hf["intermediate_size"]
     return attention + mlp, 2 * h

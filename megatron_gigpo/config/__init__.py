@@ -15,9 +15,12 @@ has one definition, one default and one range or choice check (:func:`megatron_g
 :func:`~megatron_gigpo.fields.choice`), run on the whole tree when a recipe is loaded.
 
 This package only assembles: :mod:`.schema` (the root :class:`Config`), :mod:`.loading` (YAML, ``base:``, strict
-keys, overrides, the atomic write of a resolved recipe) and :mod:`.validation` (checks across sections). No
-component imports it except for the :class:`Config` it is handed whole (the driver, the builders, the CLI, the
-preflight, the memory plan, the metric sinks, the SFT and demonstration stages).
+keys, overrides, the atomic write of a resolved recipe) and :mod:`.validation` (checks across sections). Only
+what is handed a whole :class:`Config` imports it: the CLI, the driver and the builders, and the SFT and
+demonstration stages (``megatron_gigpo.sft.trainer``, ``.sft.cold_start``, ``megatron_gigpo.demos.writer``; the
+builders and the SFT stage also write the resolved recipe with :func:`save_config`). The components that read
+several sections (the placement and memory plans, the preflight, the metric sinks) state what they read as a
+``Protocol`` of sections instead.
 
 A new setting: a field with ``num(default, ge=...)`` / ``choice(default, names)`` in the section of the
 component that reads it. A new nested section: a dataclass whose fields are declared the same way, added to its
@@ -34,7 +37,6 @@ from megatron_gigpo.algo.config import AlgorithmConfig, DynamicSamplingConfig
 from megatron_gigpo.config.loading import config_to_dict, load_config, parse_overrides, save_config
 from megatron_gigpo.config.schema import Config, EnvConfig
 from megatron_gigpo.config.validation import (
-    KNOWN_MODEL_SHAPES,
     ModelShape,
     group_relative_estimators,
     model_shape,
@@ -51,7 +53,7 @@ from megatron_gigpo.sft.config import SFTConfig
 
 __all__ = [
     "Config", "EnvConfig", "ConfigError", "load_config", "save_config", "parse_overrides", "config_to_dict",
-    "validate_config", "recipe_fields", "model_shape", "ModelShape", "KNOWN_MODEL_SHAPES",
+    "validate_config", "recipe_fields", "model_shape", "ModelShape",
     "group_relative_estimators",
     "ModelConfig", "ArchitectureConfig", "LoraConfig", "ParallelConfig", "OptimConfig", "RolloutConfig",
     "EpisodeConfig", "AlgorithmConfig", "DynamicSamplingConfig", "TrainerConfig", "TimeoutsConfig",

@@ -31,11 +31,6 @@ class ModelShape:
     num_layers: int
 
 
-# Shapes of the models the recipes name, so recipes validate without the weights being present.
-KNOWN_MODEL_SHAPES: dict[str, ModelShape] = {
-    name: ModelShape(hf["num_attention_heads"], hf["num_key_value_heads"], hf["num_hidden_layers"])
-    for name, hf in KNOWN_MODELS.items()
-}
 
 
 
@@ -49,28 +44,28 @@ def group_relative_estimators() -> tuple[str, ...]:
 
 
 def model_shape(path: str) -> ModelShape:
-    """Attention heads, KV heads and layers of ``model.path`` (local config.json or a known id).
+    """Attention heads, KV heads and layers of ``model.path``: its config.json, local or of a known id
+    (:func:`megatron_gigpo.models.specs.hf_config_for`, so recipes validate without the weights).
 
     Raises:
-        ConfigError: neither a directory with config.json nor a known model id.
+        ConfigError: neither a directory with config.json nor a known model id; a config.json that is not JSON
+            or lacks a key the layout check needs.
     """
-    cfg_file = Path(os.path.expanduser(path)) / "config.json"
-    if cfg_file.is_file():
-        import json
-
-        hf = json.loads(cfg_file.read_text())
-        try:
-            heads = int(hf["num_attention_heads"])
-            return ModelShape(heads, int(hf["num_key_value_heads"] if "num_key_value_heads" in hf else heads),
-                              int(hf["num_hidden_layers"]))
-        except KeyError as exc:
-            raise ConfigError(f"{cfg_file}: missing {exc} needed to check the parallel layout") from None
-    if path in KNOWN_MODEL_SHAPES:
-        return KNOWN_MODEL_SHAPES[path]
-    raise ConfigError(
-        f"model.path '{path}': no config.json there and not a known model id "
-        f"({', '.join(KNOWN_MODEL_SHAPES)})"
-    )
+    try:
+        hf = hf_config_for(path)
+    except ValueError as exc:  # a config.json that is not JSON
+        raise ConfigError(str(exc)) from None
+    if hf is None:
+        raise ConfigError(
+            f"model.path '{path}': no config.json there and not a known model id ({', '.join(KNOWN_MODELS)})"
+        )
+    try:
+        heads = int(hf["num_attention_heads"])
+        return ModelShape(heads, int(hf["num_key_value_heads"] if "num_key_value_heads" in hf else heads),
+                          int(hf["num_hidden_layers"]))
+    except KeyError as exc:
+        cfg_file = Path(os.path.expanduser(path)) / "config.json"
+        raise ConfigError(f"{cfg_file}: missing {exc} needed to check the parallel layout") from None
 
 
 def _policy_shape(m: ModelConfig) -> ModelShape:

@@ -11,7 +11,8 @@ and megatron-core; the driver process reads only the light ones):
 - :mod:`.builder`: ``GPTModel`` from a HF config (:func:`~.builder.build_gpt_model`);
 - :mod:`.weights`: HF safetensors -> Megatron shards (:func:`~.weights.load_hf_weights`) and back
   (:func:`~.weights.export_hf_weights`, the converter's and the live sync's one export);
-- :mod:`.checkpoint`, :mod:`.convert`: Megatron checkpoints and the converters;
+- :mod:`.checkpoint`: Megatron checkpoints of a model (the converters are the actor's:
+  :mod:`megatron_gigpo.actor.convert`);
 - :mod:`.random_init`, :mod:`.builtin`: a randomly initialised model (``model.init: random``) and the built-in
   SmolLM2.
 """

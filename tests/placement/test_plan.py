@@ -233,3 +233,20 @@ def test_the_plan_decides_the_weight_sync_transport_and_backend(recipe, override
     plan = plan_placement(load_config(RECIPES / recipe, overrides))
     assert (plan.transport, plan.collective_backend) == (transport, backend)
     assert f"weight sync: transport {transport};" in format_plan(plan)
+
+
+def test_plan_of_a_model_family_without_mapping_prints_no_estimate(tmp_path, capsys):
+    """The memory estimate asks the family's mapping whether q/k/v carry biases; a family without one gets a
+    line saying so, not a traceback (the layout check and the placement plan still run)."""
+    import json
+
+    model = tmp_path / "mistral"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "mistral", "architectures": ["MistralForCausalLM"], "hidden_size": 512,
+        "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "vocab_size": 32000, "tie_word_embeddings": False, "max_position_embeddings": 32768}))
+    assert main(["validate", str(ALF_7B), f"model.path={model}", "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "weight sync: transport cuda_ipc" in out
+    assert f"memory: no estimate for model.path '{model}': unsupported architecture ['MistralForCausalLM']" in out

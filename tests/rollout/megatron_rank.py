@@ -31,7 +31,7 @@ class MegatronRank:
 
     def init(self, master_addr: str, master_port: int, model_dir: str, tp: int, pp: int,
              lora: dict | None = None) -> None:
-        """Join the group and build the model; ``lora``: :class:`~megatron_gigpo.config.LoraConfig` fields to
+        """Join the group and build the model; ``lora``: :class:`~megatron_gigpo.models.config.LoraConfig` fields to
         freeze the model and attach LoRA adapters (then ``sgd_step`` trains only them)."""
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))

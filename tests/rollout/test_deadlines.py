@@ -135,7 +135,8 @@ def test_weight_sync_into_an_engine_that_stops_answering_fails_at_its_deadline(r
     rank = ray.remote(_SyncRank).options(num_cpus=0.1).remote()
     ray.get(engine.sync_info.remote())  # started, imports done: the deadline is for the sync alone
     with pytest.raises(WeightSyncError) as info:
-        sync_weights([rank], [engine], version=1, bucket_size_bytes=1 << 20, transport="shm", method="push",
+        sync_weights([rank], [engine], version=1, bucket_size_bytes=1 << 20,
+                     transport="shm", backend="gloo", method="push",
                      timeout_s=10)
     message = str(info.value)
     node = re.escape(ray.nodes()[0]["NodeManagerAddress"])

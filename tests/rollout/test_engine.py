@@ -123,7 +123,7 @@ def _scaled(weights: dict[str, torch.Tensor], factor: float) -> dict[str, torch.
 def _push(group, sender, ray_session, weights, transport: str, bucket: int, reuse_shm: bool = True):
     """One sync of ``weights`` (HF state dict) from the stand-in sender; returns ``(version, report)``."""
     version = 1 + max(v for v, _ in group.weights_version())
-    plan = prepare_sync(group, version=version, bucket_size_bytes=bucket, transport=transport)
+    plan = prepare_sync(group, version=version, bucket_size_bytes=bucket, transport=transport, backend="gloo")
     plan = dataclasses.replace(plan, reuse_shm=reuse_shm)
     return version, ray_session.get(sender.push_weights.remote(plan, weights))
 
@@ -217,7 +217,7 @@ def test_trainer_side_errors_abort_every_engine(group, sender, ray_session, base
     before = group.compute_log_probs(sequences)
     version = versions[0][0] + 1
     missing = {n: t for n, t in list(base_weights.items())[:-1]}
-    plan = prepare_sync(group, version=version, bucket_size_bytes=1 << 16, transport="shm")
+    plan = prepare_sync(group, version=version, bucket_size_bytes=1 << 16, transport="shm", backend="gloo")
     with pytest.raises(WeightSyncError, match="1 of .* weights were not sent"):
         ray_session.get(sender.push_weights.remote(plan, missing))
     renamed = dict(base_weights)

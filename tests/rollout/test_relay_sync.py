@@ -120,7 +120,8 @@ def test_the_plan_relays_to_the_second_node_and_without_it_the_sync_is_refused(l
     assert [_node_of(r) for r in ranks] == engine_nodes  # each rank beside its node's engine, as the plan says
     before = _versions(engines)
     with pytest.raises(WeightSyncError, match=r"engines \[1\] are on other nodes"):
-        sync_weights(ranks, engines, version=before[0][0] + 1, bucket_size_bytes=BUCKET, transport=plan.transport)
+        sync_weights(ranks, engines, version=before[0][0] + 1, bucket_size_bytes=BUCKET,
+                     transport=plan.transport, backend=plan.collective_backend)
     assert _versions(engines) == before
 
 
@@ -136,7 +137,8 @@ def test_both_nodes_engines_serve_the_actors_weights_after_each_sync(layout):
         for i, stale in enumerate(_served(engines, sequences)):
             assert _max_diff(stale, megatron) > 1e-2, f"cycle {cycle}: the step did not change engine {i}'s outputs"
         version = max(v for v, _ in _versions(engines)) + 1
-        metrics = sync_weights(ranks, engines, version=version, bucket_size_bytes=BUCKET, transport=plan.transport,
+        metrics = sync_weights(ranks, engines, version=version, bucket_size_bytes=BUCKET,
+                               transport=plan.transport, backend=plan.collective_backend,
                                relays=weight_relays(plan))
         assert metrics["weight_sync/num_buckets"] > 1
         exported = ray.get([r.exported_weights.remote() for r in ranks])[0]
@@ -157,7 +159,8 @@ def test_a_bad_tensor_aborts_both_nodes_engines_and_the_next_sync_works(layout):
     version = before_versions[0][0] + 1
     with pytest.raises(WeightSyncError, match="is not a weight of the engine"):
         # The third bucket carries a renamed tensor: the source aborts after two buckets went to both nodes.
-        sync_weights(ranks, engines, version=version, bucket_size_bytes=1, transport=plan.transport,
+        sync_weights(ranks, engines, version=version, bucket_size_bytes=1,
+                     transport=plan.transport, backend=plan.collective_backend,
                      method="push_renamed", relays=weight_relays(plan))
     assert _versions(engines) == before_versions
     for old, now in zip(before, _served(engines, sequences), strict=True):
@@ -166,10 +169,12 @@ def test_a_bad_tensor_aborts_both_nodes_engines_and_the_next_sync_works(layout):
     # it to the source after the last bucket; the source aborts every engine and names the leader.
     with pytest.raises(WeightSyncError, match=r"node leader rank 1 \(engines \[0, 1\]\).*engines \[0\] are on "
                                               "other nodes"):
-        sync_weights(ranks, engines, version=version, bucket_size_bytes=BUCKET, transport=plan.transport,
+        sync_weights(ranks, engines, version=version, bucket_size_bytes=BUCKET,
+                     transport=plan.transport, backend=plan.collective_backend,
                      relays=[(1, (0, 1))])
     assert _versions(engines) == before_versions
-    sync_weights(ranks, engines, version=version, bucket_size_bytes=BUCKET, transport=plan.transport,
+    sync_weights(ranks, engines, version=version, bucket_size_bytes=BUCKET,
+                 transport=plan.transport, backend=plan.collective_backend,
                  relays=weight_relays(plan))
     megatron = _megatron(ranks, sequences)
     assert all(_max_diff(served, megatron) <= ATOL_FP32 for served in _served(engines, sequences))

@@ -92,7 +92,8 @@ def test_tp2_sync_matches_megatron_including_cached_prompts(ray_session, ranks, 
     long_prompts = [list(range(40, 240)), list(range(300, 470))]
     greedy = SamplingConfig.greedy(max_tokens=5)
     ray_session.get(engine.generate.remote(long_prompts, greedy))  # fills the prefix cache with old weights
-    metrics = sync_weights(ranks, [engine], version=_next_version(ray_session, engine), bucket_size_bytes=1 << 20, transport="shm")
+    metrics = sync_weights(ranks, [engine], version=_next_version(ray_session, engine), bucket_size_bytes=1 << 20,
+                           transport="shm", backend="gloo")
     assert metrics["weight_sync/num_tensors"] > 0 and metrics["weight_sync/bytes"] > 0
 
     exported = _exported(ray_session, ranks)
@@ -118,7 +119,8 @@ def test_large_sgd_steps_change_outputs_and_each_sync_matches(ray_session, ranks
         megatron = _megatron_log_probs(ray_session, ranks, sequences)
         stale = _engine_log_probs(ray_session, engine, sequences)
         assert _max_diff(stale, megatron) > 1e-2, f"cycle {cycle}: the step did not change the outputs"
-        sync_weights(ranks, [engine], version=_next_version(ray_session, engine), bucket_size_bytes=bucket, transport="shm")
+        sync_weights(ranks, [engine], version=_next_version(ray_session, engine), bucket_size_bytes=bucket,
+                     transport="shm", backend="gloo")
         _assert_close(_engine_log_probs(ray_session, engine, sequences), megatron, ATOL_FP32)
 
 
@@ -128,7 +130,7 @@ def test_bucket_size_does_not_change_the_result(ray_session, ranks, engines):
     seen = []
     for bucket in (1, 1 << 20, WHOLE_MODEL):
         metrics = sync_weights(ranks, [engine], version=_next_version(ray_session, engine),
-                               bucket_size_bytes=bucket, transport="shm")
+                               bucket_size_bytes=bucket, transport="shm", backend="gloo")
         checksum = ray_session.get(engine.weights_version.remote())[1]
         seen.append((checksum, _engine_log_probs(ray_session, engine, sequences), metrics["weight_sync/num_buckets"]))
     (c1, lp1, n1), (c2, lp2, n2), (c3, lp3, n3) = seen
@@ -147,13 +149,15 @@ def test_bad_tensor_is_an_error_and_the_engine_keeps_its_weights(ray_session, ra
     before = _engine_log_probs(ray_session, engine, sequences)
     ray_session.get([r.sgd_step.remote([list(range(30, 40))], 1.0) for r in ranks])  # the bad sync would change them
     with pytest.raises(WeightSyncError, match=message):
-        sync_weights(ranks, [engine], version=before_version[0] + 1, bucket_size_bytes=1, transport="shm",
+        sync_weights(ranks, [engine], version=before_version[0] + 1, bucket_size_bytes=1,
+                     transport="shm", backend="gloo",
                      method=method)
     assert ray_session.get(engine.weights_version.remote()) == before_version
     after = _engine_log_probs(ray_session, engine, sequences)
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
     # The ranks are not stuck in the export's collectives: a good sync still works.
-    sync_weights(ranks, [engine], version=before_version[0] + 1, bucket_size_bytes=1 << 20, transport="shm")
+    sync_weights(ranks, [engine], version=before_version[0] + 1, bucket_size_bytes=1 << 20,
+                 transport="shm", backend="gloo")
     _assert_close(_engine_log_probs(ray_session, engine, sequences),
                   _megatron_log_probs(ray_session, ranks, sequences), ATOL_FP32)
 
@@ -172,7 +176,7 @@ def test_disaggregated_broadcast_and_bf16_engine(ray_session, ranks, engines, ti
         stale = _engine_log_probs(ray_session, engine, sequences)
         assert _max_diff(stale, megatron) > 3 * ATOL_BF16, f"{dtype}: the new weights barely change the outputs"
         metrics = sync_weights(ranks, [engine], version=_next_version(ray_session, engine),
-                               bucket_size_bytes=1 << 16, transport="broadcast")
+                               bucket_size_bytes=1 << 16, transport="broadcast", backend="gloo")
         assert metrics["weight_sync/num_buckets"] > 1
         got = _engine_log_probs(ray_session, engine, sequences)
         if dtype == "float32":
