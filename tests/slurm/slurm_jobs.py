@@ -52,6 +52,8 @@ def submit(sbatch_args: list[str], script_args: list[str], out_dir: Path, env: d
     # The job decides its own Ray settings: nothing from this test process (an earlier in-process run leaves
     # RAY_AUTH_MODE / RAY_AUTH_TOKEN_PATH set for the process's lifetime) reaches it unless `env` says so.
     inherited = {k: v for k, v in os.environ.items() if k not in RAY_SESSION_VARS}
+    # The job's own join deadline ends before a test's wait (300 s), so that a failure shows the job's reason.
+    inherited["MEGATRON_GIGPO_RAY_WAIT_S"] = "180"
     out = subprocess.run(cmd, cwd=REPO, env={**inherited, **env}, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"{' '.join(cmd)} failed: {out.stderr}"
     return out.stdout.strip().split(";")[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -46,6 +47,10 @@ def run_job(tmp_path: Path, sbatch_args: list[str], script_args: list[str], env:
     return wait_job(job_id, tmp_path, JOB_TIMEOUT_S)
 
 
+def ephemeral_port_floor() -> int:
+    return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+
+
 def token_auth(job_id: str, node_index: int) -> dict:
     """What the probe reports for a process that uses node ``node_index``'s copy of the job's token."""
     return {"auth_mode": "token", "token_path": f"/tmp/ray-j{job_id}n{node_index}/auth_token",
@@ -61,6 +66,8 @@ def test_ray_head_on_one_node_runs_the_driver_and_stops(slurm_cluster, tmp_path)
     report = probe_report(result)
     assert report["argv"] == args  # passed through word for word, the space included
     assert report["ray_address"].startswith("127.0.0.1:")  # one node stays on loopback
+    port = int(report["ray_address"].rsplit(":", 1)[1])
+    assert port == 6379 or 20000 <= port < ephemeral_port_floor()  # a port nothing else takes at random
     assert report["nodes"] == 1
     assert report["cpus"] == partition_cpus("debug")  # --num-cpus from SLURM_CPUS_ON_NODE
     assert report["gpus"] == 0
@@ -100,6 +107,26 @@ def test_invalid_override_fails_before_ray_starts(slurm_cluster, tmp_path):
         assert (result.state, result.exit_code) == ("FAILED", 2), result.describe()
         assert "unknown key 'trainer.no_such_key'" in result.output, result.describe()
         assert "waiting" not in result.output and "stopping Ray" not in result.output, result.describe()
+    finally:
+        remove_ray_dirs(result.job_id)
+
+
+def test_a_head_that_cannot_start_fails_the_job_instead_of_waiting(slurm_cluster, tmp_path):
+    """Something else listens on the head's port: the GCS cannot bind it, `ray start` exits (after ~45 s), and
+    the job ends with that reason. Before, the wait step's ray.init retried the foreign listener for good (the
+    CI failure of 2026-12-06: an ephemeral head port taken before the GCS bound it)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        env = {"MEGATRON_GIGPO_DRIVER": PROBE, "MEGATRON_GIGPO_VALIDATE": "",
+               "MEGATRON_GIGPO_RAY_PORT": str(listener.getsockname()[1])}
+        result = run_job(tmp_path, ["--partition=debug"], [RECIPE], env)
+    try:
+        assert result.state == "FAILED" and result.exit_code != 0, result.describe()
+        assert "ended before the cluster was complete" in result.output, result.describe()
+        assert "Failed to start GCS" in result.output, result.describe()  # the tail of the head's Ray log
+        assert "RAY_PROBE" not in result.output, result.describe()
+        assert wait_no_ray_processes(result.job_id) == []
     finally:
         remove_ray_dirs(result.job_id)
 
