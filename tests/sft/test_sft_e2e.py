@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tb_events import tensorboard_scalars
 
 from megatron_gigpo.actor.checkpoint_layout import complete_checkpoints
 from megatron_gigpo.config import RolloutConfig, load_config
@@ -114,11 +115,22 @@ def test_sft_learns_resumes_and_exports(tiny_qwen2, demos, tmp_path):
     resumed.mkdir(parents=True)
     source = dict(complete_checkpoints(sft_dir(cfg) / "checkpoints"))[24]
     shutil.copytree(source, resumed / source.name)
+    # It also holds what an earlier attempt killed after step 30 logged: steps 25-30 are logged again, once.
+    earlier = (sft_dir(cfg) / "metrics.jsonl").read_text().splitlines()[:31]
+    (resumed.parent / "metrics.jsonl").write_text("\n".join(earlier) + "\n")
+    shutil.copytree(sft_dir(cfg) / "tensorboard", resumed.parent / "tensorboard")
     cmd = [sys.executable, "-m", "megatron_gigpo.cli", "sft", str(RECIPE), *_overrides(tiny_qwen2, demos, tmp_path,
                                                                                           "resumed")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    # With the progress bar on and stdout a pipe (a log file), step lines still appear between validations.
+    proc = subprocess.run([*cmd, "logging.progress_bars=true"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    again = read_metrics(tmp_path / "resumed" / "sft")
+    assert "step 30: actor/loss=" in proc.stdout, proc.stdout[-3000:]
+    assert "an earlier attempt logged steps 25-30 (this run resumes after step 24)" in proc.stderr, proc.stderr[-3000:]
+    lines = (resumed.parent / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(37))
+    loss = tensorboard_scalars(resumed.parent / "tensorboard")["actor/loss"]
+    assert [step for step, _ in loss] == list(range(1, 37))
+    again = read_metrics(tmp_path / "resumed" / "sft")[25:]
     assert [r["step"] for r in again] == list(range(25, 37))
     for rec in again:
         for key in ("actor/loss", "actor/grad_norm", "actor/lr", "val/loss"):
