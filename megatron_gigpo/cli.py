@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -97,18 +100,13 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from megatron_gigpo.actor.checkpoint_layout import resolve_checkpoint
+    from megatron_gigpo.actor.checkpoint_layout import checkpoint_from_cli
     from megatron_gigpo.config import load_config
     from megatron_gigpo.driver import evaluate
     from megatron_gigpo.sft.cold_start import from_cold_start
 
     cfg = from_cold_start(load_config(args.recipe, args.overrides))  # the model RL started from
-    found = resolve_checkpoint(args.checkpoint)
-    if found is None:
-        raise FileNotFoundError(
-            f"--checkpoint {args.checkpoint}: neither a complete checkpoint folder (iter_N with meta.json) nor "
-            "a folder holding one (a run's checkpoints/)"
-        )
+    found = checkpoint_from_cli(args.checkpoint, "--checkpoint")
     print(f"megatron-gigpo: evaluating {found[1]} (iteration {found[0]})")
     metrics = evaluate(cfg, checkpoint=str(found[1]))
     for key in sorted(metrics):
@@ -122,9 +120,10 @@ def _cmd_demos(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.recipe, args.overrides)
     d = cfg.sft.demos  # the recipe's values, unless a flag overrides them
-    stats = write_demos(cfg, args.out, d.num_episodes if args.num_episodes is None else args.num_episodes,
-                        d.epsilon if args.epsilon is None else args.epsilon, d.seed if args.seed is None else args.seed,
-                        reasoning=args.reasoning or d.reasoning)
+    with _sigterm_as_exit():  # a time limit's SIGTERM: finished episodes are kept for a re-run
+        stats = write_demos(cfg, args.out, d.num_episodes if args.num_episodes is None else args.num_episodes,
+                            d.epsilon if args.epsilon is None else args.epsilon,
+                            d.seed if args.seed is None else args.seed, reasoning=args.reasoning or d.reasoning)
     print(
         f"megatron-gigpo: wrote {stats.rows} rows of {stats.episodes} {cfg.env.name} episodes to {args.out} "
         f"(success rate {stats.success_rate:.3f}, mean steps {stats.mean_steps:.2f}, random share "
@@ -132,6 +131,21 @@ def _cmd_demos(args: argparse.Namespace) -> int:
     )
     print(f"megatron-gigpo: episode ends: {stats.end_reasons}")
     return 0
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """While inside: SIGTERM (``kill``, Slurm's time limit) raises ``SystemExit(143)`` in the main thread, so
+    that ``finally`` and ``except BaseException`` clean-ups run as they do for Ctrl-C."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
@@ -151,7 +165,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-gigpo", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="megatron-gigpo", description="GiGPO training of multi-turn LLM agents on Megatron-core and vLLM: "
+        "expert demonstrations, SFT cold start, RL, evaluation, checks, conversion and plots.",
+        epilog="Each command's options: megatron-gigpo COMMAND --help. Documentation: README.md and docs/.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def recipe_cmd(name: str, help_: str) -> argparse.ArgumentParser:
@@ -175,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"GPU memory for the --plan estimate (GiB, default {DEFAULT_GPU_MEMORY_GIB:g}); only with --plan")
     va.set_defaults(func=_cmd_validate)
     de = recipe_cmd("demos", "write expert demonstrations (chat JSONL) for a supervised cold start")
-    de.add_argument("--out", required=True, help="JSONL file to write (atomically)")
+    de.add_argument("--out", required=True, help="JSONL file to write; finished episodes go to OUT.partial first "
+                    "(renamed at the end), and a stopped run resumes from them when run again with the same arguments")
     de.add_argument("--num-episodes", type=int, help="training tasks to play (default: sft.demos.num_episodes)")
     de.add_argument("--epsilon", type=float,
                     help="share of steps taking a uniformly random admissible action instead (default: sft.demos.epsilon)")

@@ -67,6 +67,30 @@ def resolve_checkpoint(path: str | Path) -> tuple[int, Path] | None:
     return latest_checkpoint(path)
 
 
+def checkpoint_from_cli(path: str | Path, flag: str, *, other_folders: bool = False) -> tuple[int | None, Path]:
+    """The checkpoint a command-line ``flag`` names: ``path`` itself (``iter_N`` with its ``meta.json``) or the
+    newest complete one under it (a run's ``checkpoints/``), as :func:`resolve_checkpoint`. With
+    ``other_folders``, an existing folder that is neither comes back as is, iteration None (a distributed
+    checkpoint that ``convert hf-to-megatron`` or another tool wrote).
+
+    Raises:
+        FileNotFoundError: none of these; the message says whether ``path`` exists and lists the complete
+            checkpoints beside it (its parent), e.g. for ``iter_20`` where the folder is ``iter_00000020``.
+    """
+    path = Path(path)
+    found = resolve_checkpoint(path)
+    if found is not None:
+        return found
+    if other_folders and path.is_dir():
+        return None, path
+    what = "is not a complete checkpoint (iter_N with meta.json) nor a folder holding one" if path.is_dir() else \
+        "does not exist"
+    beside = complete_checkpoints(path.parent)
+    hint = (f"; complete checkpoints in {path.parent}: {', '.join(p.name for _, p in beside)} (or pass "
+            f"{path.parent} for the newest)") if beside else ""
+    raise FileNotFoundError(f"{flag} {path} {what}{hint}")
+
+
 def write_json_atomic(path: Path, payload: dict) -> None:
     """Write ``payload`` as JSON to ``path`` through ``<path>.tmp``, fsync and rename: readers see the old file
     or the whole new one."""

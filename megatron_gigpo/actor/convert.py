@@ -246,7 +246,9 @@ def parse_size(text: str) -> int:
 def _parser(description: str, *, to_hf: bool) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     if to_hf:
-        parser.add_argument("--megatron-dir", required=True, help="Megatron dist checkpoint directory")
+        parser.add_argument("--megatron-dir", required=True,
+                            help="a checkpoint folder (runs/<exp>/checkpoints/iter_00000020) or a run's "
+                                 "checkpoints/ folder (its newest)")
         parser.add_argument("--hf-config-dir", default=None, help="HF config/tokenizer dir (default <ckpt>/hf)")
         parser.add_argument(
             "--max-shard-size", type=parse_size, default="5GB", help="safetensors shard budget, e.g. 5GB, 500MiB"
@@ -295,11 +297,16 @@ def main_hf_to_megatron(argv: Sequence[str] | None = None) -> int:
 def main_megatron_to_hf(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``tools/convert_megatron_to_hf.py``."""
     args = _parser("Convert a Megatron distributed checkpoint to an HF model.", to_hf=True).parse_args(argv)
+    from megatron_gigpo.actor.checkpoint_layout import checkpoint_from_cli
+
+    iteration, megatron_dir = checkpoint_from_cli(args.megatron_dir, "--megatron-dir", other_folders=True)
+    if iteration is not None:
+        print(f"converting {megatron_dir} (iteration {iteration})", flush=True)
     return _run(
         args.tp,
         args.pp,
         lambda: convert_megatron_to_hf(
-            args.megatron_dir,
+            megatron_dir,
             args.out,
             hf_config_dir=args.hf_config_dir,
             max_shard_bytes=args.max_shard_size,

@@ -222,6 +222,74 @@ def _load_tokenizer(cfg: Config) -> Any:
     return AutoTokenizer.from_pretrained(str(resolve_model_path(cfg.model.path)))
 
 
+#: ``<out>.partial``: the rows of the episodes finished so far; ``<out>.partial.json``: where to resume.
+PARTIAL_SUFFIX = ".partial"
+#: A progress line every this many seconds, or per tenth of the episodes, whichever comes first.
+PROGRESS_EVERY_S = 60.0
+
+
+class _PartialFile:
+    """The demonstrations written so far, kept across an interruption so that the same command resumes.
+
+    ``<out>.partial`` gets each finished episode's rows in one flushed write; ``<out>.partial.json`` (replaced
+    atomically after each episode) holds the arguments, the next episode index, the byte length of the rows
+    that belong to finished episodes, the statistics and the epsilon RNG's state. A torn tail (a kill during a
+    write) is cut at that length on resume.
+    """
+
+    def __init__(self, out: Path, args: dict[str, Any]):
+        self.out, self.args = out, args
+        self.rows_path = out.with_name(out.name + PARTIAL_SUFFIX)
+        self.meta_path = out.with_name(out.name + PARTIAL_SUFFIX + ".json")
+        self.next_index, self.stats, self.reasons, self.rng_state = 0, DemoStats(), Counter(), None
+        self._file = None
+
+    def open(self) -> None:
+        """Resume from a partial file of the same arguments, or start one (replacing a partial of others)."""
+        meta = json.loads(self.meta_path.read_text()) if self.meta_path.is_file() else None
+        size = self.rows_path.stat().st_size if self.rows_path.is_file() else -1
+        if meta is not None and meta["args"] == self.args and size >= meta["bytes"]:
+            os.truncate(self.rows_path, meta["bytes"])
+            self.next_index = meta["next_index"]
+            self.stats, self.reasons = DemoStats(**meta["stats"]), Counter(meta["stats"]["end_reasons"])
+            version, internal, gauss = meta["rng_state"]
+            self.rng_state = (version, tuple(internal), gauss)
+            log.info("demos: resuming %s at episode %d of %d (%d rows of earlier episodes kept)", self.out,
+                     self.next_index, self.args["num_episodes"], self.stats.rows)
+        elif meta is not None or size >= 0:
+            log.warning("demos: %s was written with other arguments or is incomplete; starting over", self.rows_path)
+        self._file = self.rows_path.open("a" if self.next_index else "w", encoding="utf-8")
+
+    def episode_done(self, text: str, next_index: int, rng: random.Random, elapsed_s: float) -> None:
+        self._file.write(text)
+        self._file.flush()
+        self.next_index = next_index
+        self.stats.end_reasons, self.stats.elapsed_s = dict(sorted(self.reasons.items())), elapsed_s
+        meta = {"args": self.args, "next_index": next_index, "bytes": self._file.tell(),
+                "stats": asdict(self.stats), "rng_state": rng.getstate()}
+        tmp = self.meta_path.with_name(self.meta_path.name + ".tmp")
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, self.meta_path)
+
+    def finish(self) -> None:
+        """The partial file becomes ``out`` (a rename: readers see the old file or the whole new one)."""
+        self._file.close()
+        os.chmod(self.rows_path, 0o644)
+        os.replace(self.rows_path, self.out)
+        self.meta_path.unlink(missing_ok=True)
+
+    def abandon(self) -> None:
+        """After an error or a signal: keep finished episodes for a re-run; remove a partial file without any."""
+        if self._file is not None:
+            self._file.close()
+        if self.next_index == 0:
+            self.rows_path.unlink(missing_ok=True)
+            self.meta_path.unlink(missing_ok=True)
+        else:
+            log.warning("demos: stopped after %d of %d episodes; their rows are kept in %s and the same command "
+                        "resumes from there", self.next_index, self.args["num_episodes"], self.rows_path)
+
+
 def write_demos(
     cfg: Config,
     out_path: str | os.PathLike,
@@ -232,11 +300,17 @@ def write_demos(
     reasoning: str = "plan",
     tokenizer: Any = None,
 ) -> DemoStats:
-    """Write expert demonstrations of the recipe's environment as chat rows (JSONL), atomically.
+    """Write expert demonstrations of the recipe's environment as chat rows (JSONL), resumably.
+
+    Finished episodes go to ``<out>.partial`` as they complete; at the end it is renamed to ``out``. Stopped
+    before (an error, Ctrl-C, SIGTERM from a time limit: ``megatron-gigpo demos`` turns it into an exit), the
+    finished episodes stay there and a call with the same arguments resumes after them, writing the same file an
+    uninterrupted call writes (:class:`_PartialFile`). A progress line (episodes, rate, time left) goes to the
+    log every tenth of the episodes or :data:`PROGRESS_EVERY_S` seconds.
 
     Args:
         cfg: validated recipe; its environment, prompt settings and ``model.path`` (tokenizer) are used.
-        out_path: the JSONL file to write (its folder is created; written to a temp file, then renamed).
+        out_path: the JSONL file to write (its folder is created).
         num_episodes: training tasks to play (>= 1; passes repeat when the training list is shorter).
         epsilon: share of steps, in [0, 1], that take a uniformly random admissible action instead.
         seed: seeds the task order, the environment resets and the epsilon draws.
@@ -244,7 +318,7 @@ def write_demos(
         tokenizer: the policy's tokenizer; default: loaded from ``cfg.model.path``.
 
     Returns:
-        :class:`DemoStats`.
+        :class:`DemoStats` (over all episodes, resumed ones included).
 
     Raises:
         ValueError: a bad argument (named), or training tasks that are validation tasks.
@@ -254,7 +328,6 @@ def write_demos(
     from megatron_gigpo.builders import step_prompt_settings
     from megatron_gigpo.envs.registry import env_kwargs
     from megatron_gigpo.envs.registry import make_env
-    from megatron_gigpo.episodes.collector import reset_seed
     from megatron_gigpo.episodes.prompts import step_prompt_renderer
 
     if not 0.0 <= epsilon <= 1.0:
@@ -265,39 +338,61 @@ def write_demos(
     tasks = demo_tasks(cfg, num_episodes, seed)
     renderer = step_prompt_renderer(cfg.env.name, tokenizer if tokenizer is not None else _load_tokenizer(cfg),
                                     **step_prompt_settings(cfg))
-    env = make_env(cfg.env.name, **env_kwargs(cfg.env), **expert.env_kwargs)
-    rng, stats, reasons = random.Random(seed), DemoStats(), Counter()
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    start = time.perf_counter()
+    args = {"env": cfg.env.name, "num_episodes": num_episodes, "epsilon": epsilon, "seed": seed,
+            "reasoning": reasoning, "max_steps": cfg.env.max_steps, "tasks": [t.task_id for t in tasks[:3]],
+            "model": cfg.model.path,
+            "prompt": repr(sorted(step_prompt_settings(cfg).items()))}
+    partial = _PartialFile(out, args)
+    env = make_env(cfg.env.name, **env_kwargs(cfg.env), **expert.env_kwargs)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for index, task in enumerate(tasks):
-                episode = play_episode(
-                    env, expert, renderer, task, reset_seed=reset_seed(seed, task, index, 0, False),
-                    max_steps=cfg.env.max_steps, epsilon=epsilon, rng=rng, reasoning=reasoning,
-                    prompt_overflow=cfg.rollout.prompt_overflow,
-                )
-                if not episode.rows:
-                    stats.skipped += 1
-                    log.warning("demos: task %s skipped: %s at its first state", task.task_id, episode.end_reason)
-                    continue
-                for row in episode.rows:
-                    f.write(json.dumps({**row, "episode": index}, ensure_ascii=False) + "\n")
-                stats.episodes += 1
-                stats.rows += len(episode.rows)
-                stats.won += int(episode.won)
-                stats.random_steps += episode.random_steps
-                stats.truncated_prompts += episode.truncated_prompts
-                reasons[episode.end_reason] += 1
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; the demonstrations are for whoever trains on them
-        os.replace(tmp, out)
+        partial.open()
+        _play_all(partial, env, expert, renderer, tasks, cfg, epsilon=epsilon, seed=seed, reasoning=reasoning)
+        partial.finish()
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        partial.abandon()
         raise
     finally:
         env.close()
-    stats.end_reasons = dict(sorted(reasons.items()))
-    stats.elapsed_s = time.perf_counter() - start
-    return stats
+    return partial.stats
+
+
+def _play_all(partial: _PartialFile, env, expert, renderer, tasks: list[Task], cfg: Config, *, epsilon: float,
+              seed: int, reasoning: str) -> None:
+    """Play ``tasks`` from ``partial.next_index`` on, recording each finished episode in ``partial``."""
+    from megatron_gigpo.episodes.collector import reset_seed
+
+    rng, stats, reasons = random.Random(seed), partial.stats, partial.reasons
+    if partial.rng_state is not None:
+        rng.setstate(partial.rng_state)
+    begun = time.perf_counter()
+    start, first, last_line = begun - stats.elapsed_s, partial.next_index, time.monotonic()
+    every = max(1, len(tasks) // 10)
+    for index in range(partial.next_index, len(tasks)):
+        task = tasks[index]
+        episode = play_episode(
+            env, expert, renderer, task, reset_seed=reset_seed(seed, task, index, 0, False),
+            max_steps=cfg.env.max_steps, epsilon=epsilon, rng=rng, reasoning=reasoning,
+            prompt_overflow=cfg.rollout.prompt_overflow,
+        )
+        if not episode.rows:
+            stats.skipped += 1
+            log.warning("demos: task %s skipped: %s at its first state", task.task_id, episode.end_reason)
+        else:
+            stats.episodes += 1
+            stats.rows += len(episode.rows)
+            stats.won += int(episode.won)
+            stats.random_steps += episode.random_steps
+            stats.truncated_prompts += episode.truncated_prompts
+            reasons[episode.end_reason] += 1
+        text = "".join(json.dumps({**row, "episode": index}, ensure_ascii=False) + "\n" for row in episode.rows)
+        partial.episode_done(text, index + 1, rng, time.perf_counter() - start)
+        done = index + 1
+        if done < len(tasks) and (done % every == 0 or time.monotonic() - last_line >= PROGRESS_EVERY_S):
+            last_line = time.monotonic()
+            rate = (done - first) / max(time.perf_counter() - begun, 1e-9)  # episodes per second, this call
+            left_s = (len(tasks) - done) / rate if rate else float("inf")
+            left = f"{left_s / 60:.0f} min" if left_s >= 120 else f"{left_s:.0f} s"
+            log.info("demos: %d/%d episodes (%d won, %d skipped), %.1f episodes/min, about %s left", done,
+                     len(tasks), stats.won, stats.skipped, 60 * rate, left)

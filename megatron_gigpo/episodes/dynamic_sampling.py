@@ -151,9 +151,10 @@ def collect_informative(
     }
     if trained < num_groups:
         log.warning(
-            "iteration %d: dynamic sampling kept %d of %d informative groups (criterion %s) after %d generation "
-            "rounds (algorithm.dynamic_sampling.max_rounds); training on the %d rows it has", iteration, trained,
-            num_groups, criterion, len(round_metrics), out.num_rows,
+            "iteration %d: dynamic sampling found %d informative groups (criterion %s) of %d collected in %d "
+            "generation rounds (algorithm.dynamic_sampling.max_rounds), %d wanted (env.num_groups); %s",
+            iteration, informative, criterion, collected, len(round_metrics), num_groups,
+            f"training on their {out.num_rows} rows" if out.num_rows else "no update this iteration",
         )
     return out, metrics
 

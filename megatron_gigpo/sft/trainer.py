@@ -38,6 +38,9 @@ __all__ = ["SFTTrainer", "run_sft", "sft_dir", "finished_model", "sft_actor_conf
 
 log = logging.getLogger(__name__)
 
+PROGRESS_LINES = 20  # without a terminal: a line per 1/20 of the stage's steps ...
+PROGRESS_LINE_S = 60.0  # ... or per minute, whichever comes first
+
 HF_SUBDIR = "hf"
 
 
@@ -115,6 +118,7 @@ class SFTTrainer(StartedStack):
         self.ckpt_root = self.out / "checkpoints"
         self.start_step = 0
         self.progress = self.bar = None
+        self._last_line = time.monotonic()
         self.skipped_rows = 0
         self._stack = contextlib.ExitStack()
 
@@ -235,14 +239,26 @@ class SFTTrainer(StartedStack):
         if self.progress is not None:
             loss = f"loss {metrics['actor/loss']:.4g}" if "actor/loss" in metrics else ""
             self.progress.update(self.bar, completed=step, status=loss)
-        if self.progress is None or "val/loss" in metrics:
+        terminal = self.progress is not None and self.progress.console.is_terminal
+        if self.progress is None or "val/loss" in metrics or progress_line_due(
+                step, self.total_steps, terminal=terminal, seconds_since_last=time.monotonic() - self._last_line):
             self._print(line)
 
     def _print(self, line: str) -> None:
+        self._last_line = time.monotonic()
         if self.progress is None:
             print(line, flush=True)
         else:
             self.progress.console.print(line, soft_wrap=True)
+
+
+def progress_line_due(step: int, total: int, *, terminal: bool, seconds_since_last: float) -> bool:
+    """Whether the SFT stage prints a ``step N: ...`` line beside its progress bar: never on a terminal (the bar
+    shows the step); in a log file (no terminal: the bar does not draw) every ``total // PROGRESS_LINES`` steps,
+    at the last step, and whenever ``PROGRESS_LINE_S`` seconds passed since the last line."""
+    if terminal:
+        return False
+    return step == total or step % max(1, total // PROGRESS_LINES) == 0 or seconds_since_last >= PROGRESS_LINE_S
 
 
 def run_sft(cfg: Config) -> dict[str, float]:

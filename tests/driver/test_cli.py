@@ -60,6 +60,16 @@ def test_console_script_entry_point():
         assert command in out
 
 
+@pytest.mark.parametrize("argv", [[], ["demos"], ["sft"], ["train"], ["eval"], ["validate"], ["plot"],
+                                  ["convert"]], ids=lambda a: a[0] if a else "main")
+def test_help_is_plain_text(argv, capsys):
+    """--help is read in a terminal: no reStructuredText markup from docstrings."""
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    out = capsys.readouterr().out
+    assert "usage: megatron-gigpo" in out and "``" not in out and ":class:" not in out, out
+
+
 @pytest.mark.integration
 def test_convert_round_trip_through_the_cli(tmp_path):
     from safetensors.torch import load_file
@@ -97,6 +107,28 @@ def test_checkpoint_folder_or_root_resolves(tmp_path):
     assert resolve_checkpoint(first) == (1, first)  # one folder: that checkpoint, not the newest
     assert resolve_checkpoint(root / "iter_00000003") is None
     assert resolve_checkpoint(tmp_path / "nowhere") is None
+
+
+def test_a_checkpoint_named_wrong_is_found_beside(tmp_path, capsys):
+    """`iter_20` where the folder is `iter_00000020`: eval and convert say the folder does not exist and list
+    the complete checkpoints beside it; the run's checkpoints/ folder means its newest."""
+    from megatron_gigpo.actor.checkpoint_layout import checkpoint_from_cli
+    from megatron_gigpo.actor.convert import main_megatron_to_hf
+
+    root = tmp_path / "checkpoints"
+    _fake_checkpoint(root, 10), _fake_checkpoint(root, 20)
+    wrong = str(root / "iter_20")
+    listing = "complete checkpoints in " + str(root) + ": iter_00000010, iter_00000020 (or pass " + str(root)
+    assert main(["eval", str(ROOT / "recipes/smoke/cpu.yaml"), "--checkpoint", wrong]) == 2
+    err = capsys.readouterr().err
+    assert f"--checkpoint {wrong} does not exist; {listing}" in err, err
+    with pytest.raises(FileNotFoundError, match=f"--megatron-dir {wrong} does not exist; complete checkpoints"):
+        main_megatron_to_hf(["--megatron-dir", wrong, "--out", str(tmp_path / "out")])
+    assert checkpoint_from_cli(root, "--x") == (20, root / "iter_00000020")
+    # A folder hf-to-megatron wrote (no iter_N, no meta.json) converts as is; eval needs a run's checkpoint.
+    assert checkpoint_from_cli(tmp_path, "--x", other_folders=True) == (None, tmp_path)
+    with pytest.raises(FileNotFoundError, match="is not a complete checkpoint"):
+        checkpoint_from_cli(tmp_path, "--x")
 
 
 def test_eval_and_plot_name_missing_paths_before_starting(tmp_path, capsys):

@@ -42,7 +42,9 @@ def test_round_limit_is_honoured_when_no_group_has_signal(tmp_path):
     assert "actor/loss" not in rec  # nothing to train on: no update
     # still saved when due (unchanged weights, the iteration and task cursor advance), so a resume goes on
     assert [p.name for p in (tmp_path / "limit" / "checkpoints").glob("iter_*")] == ["iter_00000001"]
-    assert "dynamic sampling kept 0 of 2 informative groups" in proc.stderr + proc.stdout
+    assert ("dynamic sampling found 0 informative groups (criterion episode_return) of 4 collected in 2 generation "
+            "rounds (algorithm.dynamic_sampling.max_rounds), 2 wanted (env.num_groups); no update this iteration"
+            ) in proc.stderr + proc.stdout
 
 
 def _train(model: Path, out: Path, name: str) -> list[dict]:

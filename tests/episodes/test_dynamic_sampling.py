@@ -170,7 +170,15 @@ def test_round_limit_is_honoured(caplog):
     assert asked == [0, 1, 2] and batch.num_rows == 0 and batch.extras["env_name"] == "sokoban"
     assert m["dynamic_sampling/rounds"] == 3 and m["dynamic_sampling/round_limit_hit"] == 1
     assert m["dynamic_sampling/filtered_group_frac"] == 1.0 and m["dynamic_sampling/trained_rows"] == 0
-    assert "iteration 7: dynamic sampling kept 0 of 1" in caplog.text
+    assert ("iteration 7: dynamic sampling found 0 informative groups (criterion joint) of 3 collected in 3 "
+            "generation rounds (algorithm.dynamic_sampling.max_rounds), 1 wanted (env.num_groups); no update this "
+            "iteration") in caplog.text
+    # One of two wanted: it trains on what it found and says how many rows that is.
+    fn, _ = _rounds([{"g0": GROUPS["g0"], "g1": GROUPS["g1"]}] * 2)
+    batch, _ = collect_informative(fn, num_groups=4, criterion="episode_return", max_rounds=2, iteration=8)
+    assert ("iteration 8: dynamic sampling found 2 informative groups (criterion episode_return) of 4 collected in "
+            f"2 generation rounds (algorithm.dynamic_sampling.max_rounds), 4 wanted (env.num_groups); training on "
+            f"their {batch.num_rows} rows") in caplog.text
 
 
 def test_recipe_keys_and_checks(tmp_path):

@@ -58,3 +58,20 @@ def test_bad_vocab_sizes_are_refused(small_dir):
         truncate_tokenizer(json.loads((small_dir / "tokenizer.json").read_text()), 200)
     with pytest.raises(ValueError, match="needs a BPE tokenizer"):
         truncate_tokenizer({"model": {"type": "Unigram"}}, 1024)
+
+
+def test_builtin_conversion_says_one_line_once(tmp_path):
+    """The first use converts the GGUF file with one line of output (no tensor-by-tensor progress bars in a
+    log file); later uses read the cache and say nothing."""
+    import os
+    import subprocess
+    import sys
+
+    code = f"from megatron_gigpo.models.builtin import resolve_model_path; resolve_model_path({BASE!r})"
+    env = {**os.environ, "MEGATRON_GIGPO_CACHE": str(tmp_path)}
+    first, again = (subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+                    for _ in range(2))
+    lines = (first.stdout + first.stderr).splitlines()
+    assert lines == [f"megatron-gigpo: converting {BASE} from its GGUF file, once (cached in "
+                     f"{tmp_path}/models/smollm2-135m-instruct)"], lines
+    assert again.stdout + again.stderr == ""

@@ -123,3 +123,13 @@ def test_recipe_sft_section_is_checked():
         load_config(ROOT / "recipes/smoke/cpu.yaml", ["sft.min_lr=1.0"])
     with pytest.raises(ConfigError, match="unknown key 'sft.epoch'; did you mean 'sft.epochs'"):
         load_config(ROOT / "recipes/smoke/cpu.yaml", ["sft.epoch=2"])
+
+
+def test_progress_lines_reach_a_log_file_not_a_terminal():
+    from megatron_gigpo.sft.trainer import PROGRESS_LINE_S, progress_line_due
+
+    due = [s for s in range(1, 101) if progress_line_due(s, 100, terminal=False, seconds_since_last=1.0)]
+    assert due == list(range(5, 101, 5))  # a line per 1/20 of the stage, the last step included
+    assert progress_line_due(3, 7, terminal=False, seconds_since_last=0.0)  # fewer steps than lines: each
+    assert progress_line_due(1, 1000, terminal=False, seconds_since_last=PROGRESS_LINE_S)  # slow steps: by time
+    assert not any(progress_line_due(s, 100, terminal=True, seconds_since_last=1e9) for s in range(1, 101))
