@@ -113,3 +113,44 @@ def make_tiny_hf_model(
     model.to(dtype).save_pretrained(str(out))
     make_tiny_tokenizer(out, config.vocab_size)
     return out
+
+
+#: The walker's reply is three of its added tokens: REPLY_OPEN, one of its actions, REPLY_CLOSE.
+REPLY_OPEN, REPLY_CLOSE = "<think></think><action>", "</action>"
+
+
+def make_walker_model(tmp_path: Path, actions: list[str], *, name: str = "walker", vocab_size: int = 2048) -> Path:
+    """A tiny Qwen2 whose every reply is ``<think></think><action>A</action>`` with A uniform over ``actions``
+    at temperature 1, then ``<|im_end|>``: a policy that moves through an environment, on the real engine.
+
+    How: the tokenizer of :func:`make_tiny_tokenizer` gains REPLY_OPEN, REPLY_CLOSE and each action as added
+    tokens (one id each; an action the BPE has as one token keeps it). Attention and MLP outputs are zero (``o_proj`` and ``down_proj`` are 0), so each
+    position's logits depend on its own token only (a bigram model): the generation prompt's last token ->
+    REPLY_OPEN -> every action alike -> REPLY_CLOSE -> ``<|im_end|>``, each with a logit ~57 above the rest.
+    """
+    from transformers import AutoModelForCausalLM
+
+    out = Path(tmp_path) / name
+    tokenizer = make_tiny_tokenizer(out, vocab_size)
+    tokenizer.add_tokens([REPLY_OPEN, REPLY_CLOSE, *actions])
+    tokenizer.save_pretrained(str(out))
+    ids = {text: tokenizer.convert_tokens_to_ids(text) for text in (REPLY_OPEN, REPLY_CLOSE, *actions)}
+    assert len(set(ids.values())) == len(ids), ids  # one id each (a word the BPE already has keeps its own)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    successors = {prompt[-1]: [ids[REPLY_OPEN]], ids[REPLY_OPEN]: [ids[a] for a in actions],
+                  **{ids[a]: [ids[REPLY_CLOSE]] for a in actions}, ids[REPLY_CLOSE]: [eos]}
+    config = tiny_config("qwen2", vocab_size=len(tokenizer), hidden_size=128, num_attention_heads=2,
+                         num_key_value_heads=1, num_hidden_layers=1, bos_token_id=vocab_size - 3, eos_token_id=eos,
+                         pad_token_id=vocab_size - 3, max_position_embeddings=8192)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            param.fill_(1.0 if "norm" in pname else 0.0)
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        for slot, (token, nexts) in enumerate(successors.items()):
+            embed[token, slot] = 1.0  # after the final RMSNorm: sqrt(128) in this slot
+            head[nexts, slot] = 5.0
+    model.save_pretrained(str(out))
+    return out

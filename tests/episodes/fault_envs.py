@@ -7,6 +7,7 @@ so exactly one environment across all workers and processes trips it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -63,3 +64,17 @@ class UnseededSokoban(SokobanEnv):
         result = super().reset(task, seed)
         result.observation += f"\n(process {os.getpid()})"
         return result
+
+
+class SeededSokoban(SokobanEnv):
+    """Sokoban whose room comes from the reset seed, not the task: an environment with a randomised start.
+
+    The shipped environments fix the first state by the task alone, so members reset with different seeds
+    would still agree there; here they only agree if the collector gives every member its group's seed.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(dim_room=(6, 6), num_boxes=1, max_steps=10)
+
+    def reset(self, task: Task, seed: int) -> ResetResult:
+        return super().reset(dataclasses.replace(task, payload={**task.payload, "room_seed": seed}), seed)

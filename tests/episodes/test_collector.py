@@ -10,10 +10,11 @@ import functools
 import logging
 
 import pytest
+from episode_engines import engine_group_on
 import torch
 
 from megatron_gigpo.algo.advantages import compute_advantages
-from megatron_gigpo.config import AlgorithmConfig, RolloutConfig
+from megatron_gigpo.config import AlgorithmConfig
 from megatron_gigpo.envs.sokoban import TASK_DESCRIPTION, SokobanEnv, load_tasks
 from megatron_gigpo.episodes.collector import EpisodeCollector, GroupResetMismatchError, reset_seed
 from megatron_gigpo.episodes.prompts import TRUNCATION_MARKER, PromptRenderer, PromptTooLongError, get_prompt_template
@@ -26,16 +27,8 @@ MAX_MODEL_LEN = 2048
 
 @pytest.fixture(scope="module")
 def engine_group(ray_local, tiny_model_dir):
-    from megatron_gigpo.rollout.engine import RolloutEngineGroup
-
-    rollout = RolloutConfig(prompt_length=MAX_MODEL_LEN // 2, response_length=MAX_MODEL_LEN // 2,
-                            cpu_kvcache_space_gib=0.25)
-    group = RolloutEngineGroup(str(tiny_model_dir), rollout, num_cpus=1, dtype="bfloat16",
-                               distributed_executor_backend="uni")
-    try:
+    with engine_group_on(tiny_model_dir, prompt_length=MAX_MODEL_LEN // 2, response_length=MAX_MODEL_LEN // 2) as group:
         yield group
-    finally:
-        group.shutdown()
 
 
 def _sampling(**overrides):
@@ -239,6 +232,21 @@ def test_group_members_that_reset_differently_fail_loudly(tiny_tokenizer, engine
     with _collector(tiny_tokenizer, engine_group, env_factory=UnseededSokoban) as collector:
         with pytest.raises(GroupResetMismatchError, match=r"group 0 \(task '0'.*it0-g0-n0.*it0-g0-n1.*observation"):
             collector.collect(load_tasks("train", 2), iteration=0)
+
+
+def test_group_members_share_their_group_seed(tiny_tokenizer, engine_group):
+    """Where the first state depends on the reset seed (SeededSokoban), members of a group still start from one
+    state, the one their group's seed gives; groups start apart."""
+    from fault_envs import SeededSokoban
+
+    tasks = load_tasks("train", 2)
+    with _collector(tiny_tokenizer, engine_group, env_factory=SeededSokoban, max_steps=1) as collector:
+        batch, _ = collector.collect(tasks, iteration=4)
+    firsts = {uid: {batch.anchor[i] for i in range(batch.num_rows) if batch.uid[i] == uid and batch.step_index[i] == 0}
+              for uid in ("it4-g0", "it4-g1")}
+    for g, (uid, anchors) in enumerate(firsts.items()):
+        expected = SeededSokoban().reset(tasks[g], reset_seed(0, tasks[g], g, 4, False)).anchor
+        assert anchors == {expected}, (uid, anchors)
 
 
 def test_bad_configuration_is_named(tiny_tokenizer, engine_group):

@@ -7,9 +7,10 @@ import random
 from pathlib import Path
 
 import pytest
+from episode_engines import engine_group_on
 
 from megatron_gigpo.builders import _build_collector, step_prompt_settings
-from megatron_gigpo.config import RolloutConfig, load_config
+from megatron_gigpo.config import load_config
 from megatron_gigpo.demos.experts import Expert, ExpertMove, ExpertUnavailable
 from megatron_gigpo.demos.writer import demo_tasks, write_demos
 from megatron_gigpo.envs.alfworld import ALFWORLD_READ_ONLY, ALFWORLD_READ_ONLY_PREFIXES
@@ -43,15 +44,8 @@ class ReplayExpert(Expert):
 
 @pytest.fixture(scope="module")
 def engine_group(ray_local, tiny_model_dir):
-    from megatron_gigpo.rollout.engine import RolloutEngineGroup
-
-    rollout = RolloutConfig(prompt_length=1024, response_length=1024, cpu_kvcache_space_gib=0.25)
-    group = RolloutEngineGroup(str(tiny_model_dir), rollout, num_cpus=1, dtype="bfloat16",
-                               distributed_executor_backend="uni")
-    try:
+    with engine_group_on(tiny_model_dir, prompt_length=1024, response_length=1024) as group:
         yield group
-    finally:
-        group.shutdown()
 
 
 @pytest.mark.parametrize("style", ["compact", "verl_agent"])
@@ -135,3 +129,43 @@ def test_alfworld_training_tasks_that_are_validation_tasks_are_refused(alfworld_
             demo_tasks(alfworld_cfg, 2, seed=0)
     finally:
         alfworld_cfg.env.alfworld.train_split_dir = "valid_unseen"
+
+
+def test_demos_stopped_by_sigterm_keep_their_episodes_and_resume(tmp_path):
+    """A time limit's SIGTERM during `megatron-gigpo demos`: the finished episodes stay in OUT.partial, the
+    command says so and exits 143; the same arguments again resume after them and write exactly the file an
+    uninterrupted run writes (epsilon draws included: the RNG state is part of the resume point)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = ["--num-episodes", "400", "--epsilon", "0.3", "--seed", "5"]
+    overrides = ["env.sokoban.dim_room=[6,6]", "env.max_steps=15"]
+    out = tmp_path / "demos.jsonl"
+    meta = tmp_path / "demos.jsonl.partial.json"
+    cmd = [sys.executable, "-m", "megatron_gigpo.cli", "demos", str(ROOT / "recipes/smoke/cpu.yaml"), "--out",
+           str(out), *args, *overrides]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (meta.is_file() and json.loads(meta.read_text())["next_index"] >= 50):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    done = json.loads(meta.read_text())["next_index"]
+    assert 50 <= done < 400 and not out.exists(), done
+    assert f"stopped after {done} of 400 episodes; their rows are kept in {out}.partial" in stderr, stderr[-3000:]
+    assert "demos: 40/400 episodes (" in stderr, stderr[-3000:]  # progress lines reach a log file
+    kept = [json.loads(line)["episode"] for line in (tmp_path / "demos.jsonl.partial").read_text().splitlines()]
+    assert kept and max(kept) < done
+
+    cfg = load_config(ROOT / "recipes/smoke/cpu.yaml", overrides)
+    resumed = write_demos(cfg, out, 400, 0.3, 5)  # the same arguments: resumes after `done` episodes
+    reference = write_demos(cfg, tmp_path / "reference.jsonl", 400, 0.3, 5)
+    assert out.read_bytes() == (tmp_path / "reference.jsonl").read_bytes()
+    assert sorted(os.listdir(tmp_path)) == ["demos.jsonl", "reference.jsonl"]  # no partial or temp file left
+    for key in ("episodes", "skipped", "rows", "won", "random_steps", "end_reasons"):
+        assert getattr(resumed, key) == getattr(reference, key), key
