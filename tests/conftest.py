@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+# ../shared beside the checkout; MEGATRON_GIGPO_SHARED_DIR for a copy of the tests elsewhere (mutmut's mutants/).
+SHARED = Path(os.environ.get("MEGATRON_GIGPO_SHARED_DIR") or Path(__file__).resolve().parents[1].parent / "shared")
 
 
 # Session fixtures that take minutes (``small_cold_start`` in tests/driver/conftest.py: ~2): under pytest-xdist

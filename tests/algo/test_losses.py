@@ -190,3 +190,13 @@ def test_actor_config_refuses_an_unknown_policy_loss():
     ActorConfig.build("m", policy_loss="nll").validate()
     with pytest.raises(ValueError, match=r"loss.policy_loss='sft' is not one of (vanilla, nll|nll, vanilla)"):
         ActorConfig.build("m", policy_loss="sft").validate()
+
+
+def test_one_counted_token_is_its_own_mean():
+    """A mask with a single token: the mean is that token's value (found by mutation testing: a clamp of the
+    token count at 2 instead of 1 passed every other test)."""
+    from megatron_gigpo.algo.losses import masked_mean
+
+    values, mask = torch.tensor([[2.0, 5.0], [7.0, 9.0]]), torch.tensor([[True, False], [False, False]])
+    assert masked_mean(values, mask).item() == 2.0
+    assert agg_loss(values, mask, "token-mean").item() == 2.0
