@@ -38,9 +38,7 @@ import json
 import logging
 import os
 import random
-import tempfile
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -241,7 +239,7 @@ class _PartialFile:
         self.out, self.args = out, args
         self.rows_path = out.with_name(out.name + PARTIAL_SUFFIX)
         self.meta_path = out.with_name(out.name + PARTIAL_SUFFIX + ".json")
-        self.next_index, self.stats, self.reasons, self.rng_state = 0, DemoStats(), Counter(), None
+        self.next_index, self.stats, self.rng_state = 0, DemoStats(), None
         self._file = None
 
     def open(self) -> None:
@@ -251,7 +249,7 @@ class _PartialFile:
         if meta is not None and meta["args"] == self.args and size >= meta["bytes"]:
             os.truncate(self.rows_path, meta["bytes"])
             self.next_index = meta["next_index"]
-            self.stats, self.reasons = DemoStats(**meta["stats"]), Counter(meta["stats"]["end_reasons"])
+            self.stats = DemoStats(**meta["stats"])
             version, internal, gauss = meta["rng_state"]
             self.rng_state = (version, tuple(internal), gauss)
             log.info("demos: resuming %s at episode %d of %d (%d rows of earlier episodes kept)", self.out,
@@ -264,7 +262,7 @@ class _PartialFile:
         self._file.write(text)
         self._file.flush()
         self.next_index = next_index
-        self.stats.end_reasons, self.stats.elapsed_s = dict(sorted(self.reasons.items())), elapsed_s
+        self.stats.elapsed_s = elapsed_s
         meta = {"args": self.args, "next_index": next_index, "bytes": self._file.tell(),
                 "stats": asdict(self.stats), "rng_state": rng.getstate()}
         tmp = self.meta_path.with_name(self.meta_path.name + ".tmp")
@@ -274,6 +272,7 @@ class _PartialFile:
     def finish(self) -> None:
         """The partial file becomes ``out`` (a rename: readers see the old file or the whole new one)."""
         self._file.close()
+        self.stats.end_reasons = dict(sorted(self.stats.end_reasons.items()))
         os.chmod(self.rows_path, 0o644)
         os.replace(self.rows_path, self.out)
         self.meta_path.unlink(missing_ok=True)
@@ -363,7 +362,7 @@ def _play_all(partial: _PartialFile, env, expert, renderer, tasks: list[Task], c
     """Play ``tasks`` from ``partial.next_index`` on, recording each finished episode in ``partial``."""
     from megatron_gigpo.episodes.collector import reset_seed
 
-    rng, stats, reasons = random.Random(seed), partial.stats, partial.reasons
+    rng, stats = random.Random(seed), partial.stats
     if partial.rng_state is not None:
         rng.setstate(partial.rng_state)
     begun = time.perf_counter()
@@ -385,7 +384,7 @@ def _play_all(partial: _PartialFile, env, expert, renderer, tasks: list[Task], c
             stats.won += int(episode.won)
             stats.random_steps += episode.random_steps
             stats.truncated_prompts += episode.truncated_prompts
-            reasons[episode.end_reason] += 1
+            stats.end_reasons[episode.end_reason] = stats.end_reasons.get(episode.end_reason, 0) + 1
         text = "".join(json.dumps({**row, "episode": index}, ensure_ascii=False) + "\n" for row in episode.rows)
         partial.episode_done(text, index + 1, rng, time.perf_counter() - start)
         done = index + 1

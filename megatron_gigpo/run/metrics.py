@@ -104,8 +104,10 @@ def set_aside_earlier_attempt(run_dir: Path, resume_step: int) -> Path | None:
     path = run_dir / METRICS_FILE
     lines = [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
     steps = [_record_step(line) for line in lines]
-    keep = [line for line, step in zip(lines, steps) if step is not None and step <= resume_step and resume_step > 0]
-    later = [step for step in steps if step is None or resume_step == 0 or step > resume_step]
+    # One rule for both sides: a record stays iff the run resumes (N > 0) and it is a readable step <= N.
+    stays = [resume_step > 0 and step is not None and step <= resume_step for step in steps]
+    keep = [line for line, stay in zip(lines, stays) if stay]
+    later = [step for step, stay in zip(steps, stays) if not stay]
     tensorboard = run_dir / TENSORBOARD_DIR
     move_tb = resume_step == 0 and tensorboard.is_dir() and any(tensorboard.iterdir())
     if not later and not move_tb:
