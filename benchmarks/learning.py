@@ -29,7 +29,9 @@ Prints a table of held-out success per validation point and one of training succ
 std over seeds), the step-group size histogram of the first and last iteration of the GiGPO runs (the paper's
 Figure 7 view), writes ``<out>/learning.png`` (both curves) and ``<out>/step_groups.png`` and a
 ``<out>/summary.json``, and ends with ``gigpo_minus_grpo=<points>``: the final held-out success of GiGPO minus
-that of GRPO, in percentage points (mean over seeds). It is a benchmark, not a test. Measured on a 2-core
+that of GRPO, in percentage points (mean over seeds). Runs that wrote per-episode validation records
+(``<run>/validation/step_<N>.jsonl``) also get 95% intervals at the last iteration: a bootstrap over seeds and
+held-out tasks, paired on tasks and seeds (:func:`paired_bootstrap`), for each method and its difference to GRPO. It is a benchmark, not a test. Measured on a 2-core
 machine (2026-12-05, a slow day: ~90 s per iteration of the main job's recipe, ~55 s per 512-room validation):
 the four methods at 3 seeds and 5 iterations took ~110 minutes for their 12 runs (6-11 minutes each) after a
 13-minute cold start; on a normal day of that machine (~45 s per iteration) about 70 minutes in all. An existing ``--out`` folder's cold start
@@ -140,9 +142,10 @@ def summarize(result: dict) -> float:
     _plots(table, train_table, result, out)
     final = steps[-1]
     delta = 100.0 * (table["gigpo"][final][0] - table["grpo"][final][0])
+    intervals = _intervals(result, final)
     (out / "summary.json").write_text(json.dumps({"steps": steps, "table": _jsonable(table),
-                                                  "train_table": _jsonable(train_table), "gigpo_minus_grpo": delta},
-                                                 indent=1))
+                                                  "train_table": _jsonable(train_table), "gigpo_minus_grpo": delta,
+                                                  "paired_bootstrap_vs_grpo": intervals}, indent=1))
     return delta
 
 
@@ -183,6 +186,71 @@ def _plots(table: dict, train_table: dict, result: dict, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "step_groups.png", dpi=120)
     plt.close(fig)
+
+
+def paired_bootstrap(a: np.ndarray, b: np.ndarray, draws: int = 10_000, seed: int = 0) -> dict[str, list[float]]:
+    """95% percentile-bootstrap intervals for the mean held-out success of two methods and their difference.
+
+    Args:
+        a, b: ``(seeds, tasks)`` arrays of 0/1 outcomes on the same held-out tasks (columns aligned by task id),
+            row ``s`` of both from seed ``s`` (the same cold start, task order and environment seed).
+        draws: bootstrap resamples.
+
+    Each draw resamples seeds and tasks with replacement, the same indices for both methods (paired: a task
+    hard for one method is hard for the other, which narrows the difference's interval). Returns
+    ``{"a": [mean, low, high], "b": [...], "a_minus_b": [...]}`` as fractions.
+
+    Raises:
+        ValueError: the arrays differ in shape or are empty.
+    """
+    if a.shape != b.shape or a.ndim != 2 or a.size == 0:
+        raise ValueError(f"paired_bootstrap: need two equal (seeds, tasks) arrays, got {a.shape} and {b.shape}")
+    rng = np.random.default_rng(seed)
+    n_seeds, n_tasks = a.shape
+    stats = np.empty((draws, 3))
+    for i in range(draws):
+        rows, cols = rng.integers(n_seeds, size=n_seeds), rng.integers(n_tasks, size=n_tasks)
+        ma, mb = a[rows][:, cols].mean(), b[rows][:, cols].mean()
+        stats[i] = ma, mb, ma - mb
+    point = (a.mean(), b.mean(), a.mean() - b.mean())
+    low, high = np.percentile(stats, [2.5, 97.5], axis=0)
+    return {key: [float(point[k]), float(low[k]), float(high[k])] for k, key in enumerate(("a", "b", "a_minus_b"))}
+
+
+def _outcomes(out: Path, method: str, seeds: int, step: int) -> np.ndarray | None:
+    """``(seeds, tasks)`` outcomes of ``method``'s validation at ``step`` (tasks sorted by id), or None when a run
+    has no per-episode records (runs before 2026-12-06)."""
+    from megatron_gigpo.run.metrics import read_validation_episodes
+
+    rows = []
+    for seed in range(1, seeds + 1):
+        try:
+            records = read_validation_episodes(out / f"{method}-seed{seed}", step)
+        except FileNotFoundError:
+            return None
+        rows.append([float(r["won"]) for r in sorted(records, key=lambda r: r["task_id"])])
+    return np.array(rows)
+
+
+def _intervals(result: dict, final: int) -> dict | None:
+    """The paired bootstrap of GiGPO against GRPO (and the other methods against GRPO) at step ``final``; printed."""
+    out, seeds = Path(result["out"]), len(result["curves"]["grpo"])
+    base = _outcomes(out, "grpo", seeds, final)
+    if base is None:
+        print(f"\nno per-episode validation records at step {final} in every GRPO run: no interval (runs of "
+              "megatron-gigpo before 2026-12-06 wrote none)")
+        return None
+    print(f"\n95% intervals at iteration {final} (paired bootstrap over seeds and {base.shape[1]} held-out tasks)")
+    found = {}
+    for method in result["curves"]:
+        other = _outcomes(out, method, seeds, final) if method != "grpo" else None
+        if other is None:
+            continue
+        found[method] = paired_bootstrap(other, base)
+        m, d = found[method]["a"], found[method]["a_minus_b"]
+        print(f"  {method:<16} {m[0]:.3f} [{m[1]:.3f}, {m[2]:.3f}]   minus grpo: {100 * d[0]:+.1f} points "
+              f"[{100 * d[1]:+.1f}, {100 * d[2]:+.1f}]")
+    return found
 
 
 def _positive(text: str) -> int:

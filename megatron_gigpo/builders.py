@@ -344,14 +344,20 @@ class RunContext(StartedStack):
         return self._due(iteration, self.cfg.trainer.val_every)
 
     def validate(self, iteration: int) -> dict[str, float]:
-        """Greedy, one rollout per validation task; metrics prefixed ``val/``."""
+        """Greedy, one rollout per validation task; metrics prefixed ``val/``. In training, each episode's outcome
+        also goes to ``<run dir>/validation/step_<iteration>.jsonl`` (:func:`~megatron_gigpo.run.metrics.
+        write_validation_episodes`)."""
         from megatron_gigpo.rollout.engine import SamplingConfig
 
         r = self.cfg.rollout
         greedy = SamplingConfig(temperature=r.val_temperature, top_p=1.0, top_k=-1, max_tokens=r.response_length,
                                 stop=list(r.stop), seed=self.cfg.trainer.seed)
-        _, metrics = self.collector.collect(self.val_task_list, iteration, validation=True, group_size=1,
-                                            sampling=greedy)
+        batch, metrics = self.collector.collect(self.val_task_list, iteration, validation=True, group_size=1,
+                                                sampling=greedy)
+        if self.training:  # per-task outcomes beside metrics.jsonl; `eval` writes nothing into a run folder
+            from megatron_gigpo.run.metrics import write_validation_episodes
+
+            write_validation_episodes(self.run_dir, iteration, batch.extras["episodes"])
         return {f"val/{k}": v for k, v in metrics.items()}
 
     def should_save(self, iteration: int) -> bool:

@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 ATTEMPTS_DIR = "previous_attempts"  # <run dir>/previous_attempts/<start time>/: records an earlier attempt left
+VALIDATION_DIR = "validation"  # <run dir>/validation/step_<N>.jsonl: one record per validation episode
 
 
 class LoggedRecipe(Protocol):
@@ -129,6 +130,40 @@ def set_aside_earlier_attempt(run_dir: Path, resume_step: int) -> Path | None:
     log.warning("%s: an earlier attempt logged %s (%s); its records moved to %s, so that each step is logged "
                 "once", run_dir, which, why, dest)
     return dest
+
+
+def write_validation_episodes(run_dir: Path, step: int, episodes: list[Any]) -> Path:
+    """Write one JSON line per validation episode to ``run_dir/validation/step_<step>.jsonl`` (replaced atomically;
+    a resumed run that validates step N again replaces that file): ``task_id``, ``won``, ``length`` (steps),
+    ``episode_return`` (environment units), ``failed``. Per-task outcomes are what a paired comparison of two
+    runs on the same held-out tasks needs (``benchmarks/learning.py``).
+
+    Args:
+        episodes: :class:`~megatron_gigpo.episodes.metrics.EpisodeSummary` objects, one per validation episode.
+
+    Returns:
+        The file written.
+    """
+    path = Path(run_dir) / VALIDATION_DIR / f"step_{step}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"task_id": e.task_id, "won": bool(e.won), "length": int(e.length),
+                         "episode_return": float(e.episode_return), "failed": bool(e.failed)}) for e in episodes]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in lines))
+    os.replace(tmp, path)
+    return path
+
+
+def read_validation_episodes(run_dir: Path, step: int) -> list[dict[str, Any]]:
+    """The records :func:`write_validation_episodes` wrote for ``step``.
+
+    Raises:
+        FileNotFoundError: the run has no such file (names the path).
+    """
+    path = Path(run_dir) / VALIDATION_DIR / f"step_{step}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no per-episode validation records {path} (written by runs since 2026-12-06)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from tb_events import tensorboard_scalars
 
 from megatron_gigpo.actor.checkpoint_layout import complete_checkpoints
 from megatron_gigpo.config import load_config
-from megatron_gigpo.run.metrics import MetricsLogger, read_metrics
+from megatron_gigpo.run.metrics import MetricsLogger, read_metrics, read_validation_episodes
 
 pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -42,12 +42,17 @@ def _run(command: str, model: Path, out: Path, name: str, *extra: str) -> subpro
 
 
 def test_train_two_iterations_and_resume(tiny_qwen2, tmp_path):
-    _run("train", tiny_qwen2, tmp_path, "full")
+    _run("train", tiny_qwen2, tmp_path, "full", "trainer.val_every=2")
     run = tmp_path / "full"
     records = read_metrics(run)
     assert [r["step"] for r in records] == [1, 2]
     assert (run / "config.yaml").is_file()
     first, second = records
+    # Validation at step 2 (2 held-out tasks, one greedy episode each) also wrote each episode's outcome.
+    episodes = read_validation_episodes(run, 2)
+    assert len(episodes) == 2 and len({e["task_id"] for e in episodes}) == 2, episodes
+    assert sum(e["won"] for e in episodes) / 2 == second["val/episode/sokoban/success_rate"], (episodes, second)
+    assert [p.name for p in (run / "validation").iterdir()] == ["step_2.jsonl"]
     # TensorBoard holds the same scalars as metrics.jsonl (float32 there).
     scalars = tensorboard_scalars(run / "tensorboard")
     for key in ("actor/grad_norm", "episode/return_mean"):
