@@ -229,10 +229,13 @@ class RunContext(StartedStack):
     # ---------------------------------------------------------------- lifetime
     def _start(self) -> None:
         from megatron_gigpo.envs.registry import load_task_list, validation_subset
+        from megatron_gigpo.run.lock import hold_run_dir
         from megatron_gigpo.run.metrics import MetricsLogger
         from megatron_gigpo.models.random_init import resolve_model
 
         cfg = self.cfg
+        if self.training:  # one run per directory, before anything starts (megatron_gigpo.run.lock)
+            self._stack.enter_context(hold_run_dir(self.run_dir))
         start_ray(cfg, self._stack)
         model_dir = resolve_model(cfg.model)
         # Where every rank, engine and vLLM worker runs: the plan `validate --plan` prints (megatron_gigpo.cluster.placement).

@@ -22,17 +22,24 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if args.gpu_memory_gib is not None and not args.plan:
         print("megatron-gigpo validate: --gpu-memory-gib is only read with --plan", file=sys.stderr)
         return 2
+    if (args.nodes is None) != (args.gpus_per_node is None):
+        print("megatron-gigpo validate: --nodes and --gpus-per-node go together (the job's allocation)",
+              file=sys.stderr)
+        return 2
     cfg = load_config(args.recipe, args.overrides)
-    if args.preflight:
-        from megatron_gigpo.cluster.preflight import preflight
+    from megatron_gigpo.cluster.preflight import Allocation, check_allocation, preflight
 
-        preflight(cfg)
-    p = cfg.parallel
+    allocation = None if args.nodes is None else Allocation(args.nodes, args.gpus_per_node)
+    if args.preflight:
+        preflight(cfg, allocation=allocation)
+    elif allocation is not None:
+        check_allocation(cfg, allocation)
+    p, r = cfg.parallel, cfg.rollout
     print(
         f"{args.recipe}: ok — model {cfg.model.path}, env {cfg.env.name}, "
         f"TP{p.tensor_model_parallel_size} x PP{p.pipeline_model_parallel_size} x DP{p.data_parallel_size} "
         f"on {cfg.trainer.nnodes} node(s) x {cfg.trainer.devices_per_node} {cfg.trainer.device} device(s), "
-        f"{cfg.env.num_groups} groups x {cfg.rollout.n} rollouts"
+        f"{r.num_engines} engine(s) x TP{r.tensor_parallel_size}, {cfg.env.num_groups} groups x {r.n} rollouts"
     )
     if args.plan:
         _print_plan(cfg, DEFAULT_GPU_MEMORY_GIB if args.gpu_memory_gib is None else args.gpu_memory_gib)
@@ -61,6 +68,19 @@ def _print_plan(cfg, gpu_memory_gib: float) -> None:
         print(f"memory: no estimate for model.path '{cfg.model.path}': {exc}")
         return
     print(format_memory(rows, gpu_memory_gib))
+
+
+def _count(least: int):
+    """An argparse type: a whole number >= ``least``."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text!r} must be a whole number >= {least}")
+        return value
+
+    parse.__name__ = "whole number"  # argparse's message on a ValueError: "invalid whole number value"
+    return parse
 
 
 def _gib(text: str) -> float:
@@ -190,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="print the placement plan (bundles, ranks, engines, GPU count) and a per-GPU memory estimate")
     va.add_argument("--gpu-memory-gib", type=_gib, default=None,
                     help=f"GPU memory for the --plan estimate (GiB, default {DEFAULT_GPU_MEMORY_GIB:g}); only with --plan")
+    va.add_argument("--nodes", type=_count(1), default=None,
+                    help="the job's nodes (sbatch --nodes); with --gpus-per-node: refuse a recipe whose "
+                         "trainer.nnodes and trainer.devices_per_node differ (with --preflight: instead of counting "
+                         "this machine's GPUs)")
+    va.add_argument("--gpus-per-node", type=_count(0), default=None,
+                    help="the job's GPUs per node (sbatch --gpus-per-node); only with --nodes")
     va.set_defaults(func=_cmd_validate)
     de = recipe_cmd("demos", "write expert demonstrations (chat JSONL) for a supervised cold start")
     de.add_argument("--out", required=True, help="JSONL file to write; finished episodes go to OUT.partial first "
@@ -214,12 +240,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """A handler that writes to ``sys.stderr`` as it is at each record, not as it was when installed (a test's
+    captured stderr is closed after the test; the records of later ``load_config`` calls go to the next one)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def console_logging() -> None:
     """The package's own progress lines (resume point, skipped iterations, prompt overflows): its INFO records on
     stderr, prefixed ``megatron-gigpo:``. Installed once per process."""
     package_log = logging.getLogger("megatron_gigpo")
     if not package_log.handlers:
-        handler = logging.StreamHandler()
+        handler = _CurrentStderr()
         handler.setFormatter(logging.Formatter("megatron-gigpo: %(message)s"))
         package_log.addHandler(handler)
         package_log.setLevel(logging.INFO)

@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ConfigError", "MAX_SEED", "Range", "num", "choice", "field_choices", "leaf_fields", "field_errors"]
+__all__ = ["ConfigError", "MAX_SEED", "Range", "num", "is_auto", "choice", "field_choices", "leaf_fields",
+           "field_errors"]
 
 
 class ConfigError(ValueError):
@@ -66,10 +67,21 @@ class Range:
 
 
 def num(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, ge: float | None = None,
-        gt: float | None = None, le: float | None = None, lt: float | None = None, length: int | None = None) -> Any:
-    """A numeric dataclass field (or list of numbers, with ``factory``) with its allowed range."""
+        gt: float | None = None, le: float | None = None, lt: float | None = None, length: int | None = None,
+        auto: bool = False) -> Any:
+    """A numeric dataclass field (or list of numbers, with ``factory``) with its allowed range.
+
+    ``auto=True``: the field (typed ``int | None``) may also be ``auto`` (or ``null``) in a recipe, read as None
+    and replaced by a derived number when the recipe is loaded (:func:`is_auto`;
+    :func:`megatron_gigpo.config.load_config` derives it), so every reader of a loaded recipe sees a number.
+    """
     return field(default=default, default_factory=factory,
-                 metadata={"range": Range(ge=ge, gt=gt, le=le, lt=lt, length=length)})
+                 metadata={"range": Range(ge=ge, gt=gt, le=le, lt=lt, length=length), "auto": auto})
+
+
+def is_auto(f: dataclasses.Field) -> bool:
+    """Whether ``f`` was declared with ``num(..., auto=True)``: ``auto`` / ``null`` in a recipe means derived."""
+    return bool(f.metadata.get("auto"))
 
 
 def choice(default: Any = dataclasses.MISSING, choices: tuple[str, ...] | str | Callable[[], Iterable[str]] = (), *,

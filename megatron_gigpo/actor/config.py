@@ -34,11 +34,13 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine")  # Megatron OptimizerParamSch
 class ParallelConfig:
     """Megatron layout of the actor. TP x PP x DP actor ranks = trainer.nnodes x trainer.devices_per_node; with
     GPU engines in ``rollout.weight_sync_mode: disaggregated`` the engines' GPUs come out of that count
-    (:mod:`megatron_gigpo.cluster.placement`)."""
+    (:mod:`megatron_gigpo.cluster.placement`). ``data_parallel_size: auto`` (or null): the rest of the world,
+    world / (TP x PP), as Megatron derives it, decided when the recipe is loaded
+    (:func:`megatron_gigpo.config.validation.resolve_auto_sizes`); a loaded recipe always holds a number."""
 
     tensor_model_parallel_size: int = num(1, ge=1)
     pipeline_model_parallel_size: int = num(1, ge=1)
-    data_parallel_size: int = num(1, ge=1)
+    data_parallel_size: int | None = num(1, ge=1, auto=True)
     use_distributed_optimizer: bool = False
 
 

@@ -229,7 +229,8 @@ def _shape_errors(cfg: RecipeLayout, cluster: ClusterShape) -> list[str]:
     shape = f"trainer.nnodes={cluster.nnodes} x trainer.devices_per_node={cluster.devices_per_node}"
     gpu_split = cluster.device == "cuda" and r.weight_sync_mode != "colocated"
     if not gpu_split and world != slots:
-        return [f"parallel: TP({tp}) x PP({pp}) x DP({dp}) = {world} != world size {slots} ({shape})"]
+        return [f"parallel: TP({tp}) x PP({pp}) x DP({dp}) = {world} != world size {slots} ({shape}); "
+                f"parallel.data_parallel_size: auto derives DP from the world size"]
     if cluster.device != "cuda":
         return []
     k, engines = r.tensor_parallel_size, r.num_engines

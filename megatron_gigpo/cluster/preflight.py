@@ -8,8 +8,8 @@ collected and reported at once in a :class:`PreflightError`.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
-
 from typing import Any, Protocol
 
 from megatron_gigpo.models.config import ModelConfig
@@ -54,9 +54,48 @@ def _check_model(cfg: CheckedRecipe) -> list[str]:
     return []
 
 
-def _check_devices(cfg: CheckedRecipe, cluster_resources: dict[str, float] | None) -> list[str]:
+@dataclass(frozen=True)
+class Allocation:
+    """The machines a job was given (a Slurm allocation: ``sbatch --nodes`` and ``--gpus-per-node``), before any
+    Ray cluster exists on them."""
+
+    nodes: int
+    gpus_per_node: int
+
+
+def allocation_errors(cfg: CheckedRecipe, alloc: Allocation) -> list[str]:
+    """Why ``cfg`` does not fit ``alloc`` exactly: the recipe's ``trainer.nnodes`` against the nodes, and on GPU
+    ``trainer.devices_per_node`` (the GPUs its placement plan takes on each node) against the GPUs per node. A
+    node or GPU the recipe leaves unused is refused too (it would idle for the whole job), as is one it needs
+    but lacks (the run would wait ``trainer.timeouts.placement_s`` for it, then fail). On CPU the GPUs are not
+    compared. Each message names the recipe keys and the ``sbatch`` options that make the two agree."""
+    t = cfg.trainer
+    gpu = t.device == "cuda"
+    have = f"--nodes={alloc.nodes}" + (f" --gpus-per-node={alloc.gpus_per_node}" if gpu else "")
+    want = f"--nodes={t.nnodes}" + (f" --gpus-per-node={t.devices_per_node}" if gpu else "")
+    recipe = f"trainer.nnodes={t.nnodes}" + (f" x trainer.devices_per_node={t.devices_per_node} GPUs" if gpu else "")
+    problems = []
+    if alloc.nodes != t.nnodes:
+        problems.append(f"{alloc.nodes - t.nnodes} node(s) would idle" if alloc.nodes > t.nnodes
+                        else f"{t.nnodes - alloc.nodes} node(s) are missing")
+    if gpu and alloc.gpus_per_node != t.devices_per_node:
+        problems.append(f"{alloc.gpus_per_node - t.devices_per_node} GPU(s) per node would idle"
+                        if alloc.gpus_per_node > t.devices_per_node else
+                        f"{t.devices_per_node - alloc.gpus_per_node} GPU(s) per node are missing")
+    if not problems:
+        return []
+    fix = f"trainer.nnodes={alloc.nodes}" + (f" trainer.devices_per_node={alloc.gpus_per_node}" if gpu else "")
+    return [f"the allocation ({have}) does not match the recipe ({recipe}): {' and '.join(problems)}. Submit with "
+            f"`sbatch {want}`, or set {fix} (parallel.data_parallel_size and rollout.num_engines: auto follow "
+            f"the world size)"]
+
+
+def _check_devices(cfg: CheckedRecipe, cluster_resources: dict[str, float] | None,
+                   allocation: Allocation | None = None) -> list[str]:
     from megatron_gigpo.cluster.placement import plan_placement
 
+    if allocation is not None:  # a job's nodes before Ray starts on them: compared with the recipe, not counted
+        return allocation_errors(cfg, allocation)
     t = cfg.trainer
     if t.device == "cpu":
         return []
@@ -78,7 +117,8 @@ def _check_devices(cfg: CheckedRecipe, cluster_resources: dict[str, float] | Non
     return []
 
 
-def preflight(cfg: CheckedRecipe, cluster_resources: dict[str, float] | None = None, *, check_env: bool = True) -> None:
+def preflight(cfg: CheckedRecipe, cluster_resources: dict[str, float] | None = None, *, check_env: bool = True,
+              allocation: Allocation | None = None) -> None:
     """Check devices, model files, data directories and services for ``cfg``.
 
     Args:
@@ -86,15 +126,29 @@ def preflight(cfg: CheckedRecipe, cluster_resources: dict[str, float] | None = N
         cluster_resources: ``ray.cluster_resources()`` when a Ray cluster is already connected, else None
             (local devices are counted).
         check_env: also check the environment's data and services (False for ``sft``, which runs none).
+        allocation: the job's nodes and GPUs per node (``validate --nodes --gpus-per-node``, from the sbatch
+            script before Ray starts): the devices are checked against it (:func:`allocation_errors`) instead
+            of counted.
 
     Raises:
         PreflightError: listing every problem found.
     """
     from megatron_gigpo.envs.registry import check_env_resources
 
-    problems = _check_devices(cfg, cluster_resources)
+    problems = _check_devices(cfg, cluster_resources, allocation)
     problems += _check_model(cfg)
     if check_env:
         problems += check_env_resources(cfg.env)
     if problems:
         raise PreflightError("preflight failed:\n  - " + "\n  - ".join(problems))
+
+
+def check_allocation(cfg: CheckedRecipe, allocation: Allocation) -> None:
+    """:func:`allocation_errors` alone (``validate --nodes --gpus-per-node`` without ``--preflight``).
+
+    Raises:
+        PreflightError: the allocation does not match the recipe.
+    """
+    problems = allocation_errors(cfg, allocation)
+    if problems:
+        raise PreflightError("allocation check failed:\n  - " + "\n  - ".join(problems))

@@ -13,7 +13,9 @@ run's token can submit work to its cluster. Two ways in:
 
 Opt-out, for clusters on an already private network: ``MEGATRON_GIGPO_RAY_AUTH=disabled`` (logged as a
 warning). ``RAY_AUTH_MODE`` itself is set here from that one knob; a contradicting value in the environment
-is an error, not a silent override.
+is an error, not a silent override. Token mode needs Ray >= :data:`MIN_RAY_TOKEN_AUTH` (an older Ray ignores
+``RAY_AUTH_MODE`` and would run open while this module says it is protected): :func:`check_ray_version`
+refuses an older one, here and in ``slurm/train.sbatch`` before ``ray start``.
 
 Ray 2.60 caches the auth mode (``RayConfig``) and the token (``AuthenticationTokenLoader``) per process, read at
 ``import ray``; both are refreshed here after the environment changes, so that several Ray sessions in one
@@ -49,15 +51,54 @@ _HOW_TO = (
 )
 
 
+#: The first Ray release with token authentication (``RAY_AUTH_MODE=token``): "Token authentication is available
+#: in Ray 2.52.0 or later" (docs.ray.io, ray-security/token-auth). pyproject.toml's floor for ``ray``.
+MIN_RAY_TOKEN_AUTH = "2.52.0"
+
+
 class RayAuthError(PreflightError):
     """Ray's token authentication is misconfigured or refused this process; the message says how to fix it."""
+
+
+def check_ray_version(mode: str, version: str | None = None) -> None:
+    """Refuse token mode on a Ray without token authentication (older than :data:`MIN_RAY_TOKEN_AUTH`).
+
+    Args:
+        mode: ``"token"`` or ``"disabled"`` (:func:`ray_auth_mode`); ``disabled`` accepts any Ray.
+        version: a Ray version string; default: the installed Ray's (its package metadata, read without
+            importing Ray).
+
+    Raises:
+        RayAuthError: token mode on an older Ray; names the version, the floor and the opt-out.
+    """
+    from packaging.version import Version
+
+    if mode != "token":
+        return
+    if version is None:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as installed
+
+        try:
+            version = installed("ray")
+        except PackageNotFoundError:  # a Ray that pip does not know of (a source tree on sys.path)
+            import ray
+
+            version = ray.__version__
+    if Version(version) < Version(MIN_RAY_TOKEN_AUTH):
+        raise RayAuthError(
+            f"Ray {version} has no token authentication (it came with Ray {MIN_RAY_TOKEN_AUTH}): with "
+            f"{AUTH_KNOB}=token its cluster would run without any. Install ray>={MIN_RAY_TOKEN_AUTH} (as "
+            f"megatron-gigpo requires), or, only on an already private network, set {AUTH_KNOB}=disabled."
+        )
 
 
 def ray_auth_mode() -> str:
     """``"token"`` (default) or ``"disabled"``, from ``MEGATRON_GIGPO_RAY_AUTH``; warns when disabled.
 
     Raises:
-        RayAuthError: an unknown value, or ``RAY_AUTH_MODE`` set in the environment to the other mode.
+        RayAuthError: an unknown value, ``RAY_AUTH_MODE`` set in the environment to the other mode, or token mode
+            on a Ray without token authentication (:func:`check_ray_version`).
     """
     mode = os.environ.get(AUTH_KNOB, "token")
     if mode not in AUTH_MODES:
@@ -69,6 +110,7 @@ def ray_auth_mode() -> str:
             f"{'' if AUTH_KNOB in os.environ else ' (the default)'}: megatron-gigpo sets RAY_AUTH_MODE itself. "
             f"Unset RAY_AUTH_MODE, or opt out of token authentication with {AUTH_KNOB}=disabled."
         )
+    check_ray_version(mode)
     if mode == "disabled":
         log.warning("%s=disabled: Ray runs WITHOUT token authentication; anyone who can reach its ports can "
                     "run code as you. Use it only on a private network.", AUTH_KNOB)

@@ -15,8 +15,8 @@ from typing import Any
 import yaml
 
 from megatron_gigpo.config.schema import Config
-from megatron_gigpo.config.validation import validate_config
-from megatron_gigpo.fields import ConfigError
+from megatron_gigpo.config.validation import resolve_auto_sizes, validate_config
+from megatron_gigpo.fields import ConfigError, is_auto
 
 # --------------------------------------------------------------------------------------------------
 # Loading: YAML with `base:`, strict keys, overrides
@@ -164,7 +164,12 @@ def _build(cls: type, data: dict, where: str) -> Any:
     for f in dataclasses.fields(cls):
         key = f"{where}.{f.name}" if where else f.name
         if f.name in data:
-            kwargs[f.name] = _coerce(data[f.name], types_[f.name], key)
+            value = data[f.name]
+            if is_auto(f) and isinstance(value, str):  # `auto`: derived at load (resolve_auto_sizes), None till then
+                if value.strip() != "auto":
+                    raise ConfigError(f"{key}: expected a whole number or auto, got {value!r}")
+                value = None
+            kwargs[f.name] = _coerce(value, types_[f.name], key)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             if dataclasses.is_dataclass(types_[f.name]):
                 _build(types_[f.name], {}, key)  # names the first missing key inside the section
@@ -174,7 +179,8 @@ def _build(cls: type, data: dict, where: str) -> Any:
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
-    """Load a recipe YAML (following ``base:``), apply ``section.key=value`` overrides, validate.
+    """Load a recipe YAML (following ``base:``), apply ``section.key=value`` overrides, derive the ``auto``
+    sizes (:func:`~megatron_gigpo.config.validation.resolve_auto_sizes`), validate.
 
     Raises:
         ConfigError: unknown/misspelled key (names the file, the key and the closest valid key), wrong
@@ -188,6 +194,7 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
         cfg = _build(Config, data, "")
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    resolve_auto_sizes(cfg, source=str(path))
     validate_config(cfg, source=str(path))
     return cfg
 

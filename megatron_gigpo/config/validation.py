@@ -4,6 +4,7 @@ per-field ranges and choices are stated on the fields themselves (:mod:`megatron
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import typing
 from dataclasses import dataclass
@@ -14,10 +15,12 @@ from megatron_gigpo.cluster.placement import placement_errors
 from megatron_gigpo.config.schema import Config
 from megatron_gigpo.demos.experts import expert_env_names, no_expert_message
 from megatron_gigpo.episodes.templates import prompt_templates
-from megatron_gigpo.fields import ConfigError, field_errors, leaf_fields
+from megatron_gigpo.fields import ConfigError, field_errors, is_auto, leaf_fields
 from megatron_gigpo.models.config import LORA_TARGETS, ArchitectureConfig, ModelConfig
 from megatron_gigpo.models.specs import KNOWN_MODELS, hf_config_for
 from megatron_gigpo.sft.config import SFTConfig
+
+log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------------
 # Cross-field validation
@@ -88,9 +91,66 @@ def _architecture_errors(a: ArchitectureConfig) -> list[str]:
     return errors
 
 
+def _value(cfg: Config, key: str) -> Any:
+    value: Any = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def recipe_fields(cls: type = Config) -> typing.Iterator[tuple[str, dataclasses.Field, Any]]:
     """Every leaf setting of the recipe tree: ``(dotted key, dataclass field, type)``, depth first."""
     return leaf_fields(cls)
+
+
+def resolve_auto_sizes(cfg: Config, source: str = "config") -> None:
+    """Replace ``auto`` (None) in ``parallel.data_parallel_size`` and ``rollout.num_engines`` with the numbers
+    that the recipe's devices give, in place, and log each. :func:`megatron_gigpo.config.load_config` calls it
+    once, so every reader of a loaded recipe sees numbers (and ``config.yaml`` of a run holds them).
+
+    With W = ``trainer.nnodes x trainer.devices_per_node`` devices, M = TP x PP and k =
+    ``rollout.tensor_parallel_size``:
+
+    - colocated, or on CPU (the actor ranks hold all W devices): DP = W / M, as Megatron derives it from the
+      world size; engines = W / k, so the engines cover every GPU (verl's hybrid engine).
+    - disaggregated on GPU (the engines' GPUs come out of W): DP = (W - engines x k) / M and engines =
+      (W - M x DP) / k; the other of the two must be a number.
+
+    Values outside their ranges are left for :func:`validate_config` to name.
+
+    Raises:
+        ConfigError: a size that does not divide, or both sizes ``auto`` when disaggregated; names the keys.
+    """
+    p, r, t = cfg.parallel, cfg.rollout, cfg.trainer
+    m, k = p.tensor_model_parallel_size * p.pipeline_model_parallel_size, r.tensor_parallel_size
+    sizes = (m, k, t.nnodes, t.devices_per_node, p.data_parallel_size or 1, r.num_engines or 1)
+    if min(sizes) < 1:
+        return  # validate_config names the value out of range
+    world = t.nnodes * t.devices_per_node
+    shape = f"trainer.nnodes={t.nnodes} x trainer.devices_per_node={t.devices_per_node}"
+    gpu_split = t.device == "cuda" and r.weight_sync_mode != "colocated"
+    if gpu_split and p.data_parallel_size is None and r.num_engines is None:
+        raise ConfigError(f"{source}: parallel.data_parallel_size and rollout.num_engines are both auto with "
+                          "rollout.weight_sync_mode=disaggregated: set one of them, the other takes the GPUs left")
+    if p.data_parallel_size is None:
+        left = world - r.num_engines * k if gpu_split else world
+        what = (f"the {left} GPUs left of {world} ({shape}) after rollout.num_engines={r.num_engines} x "
+                f"rollout.tensor_parallel_size={k}" if gpu_split else f"the world size {world} ({shape})")
+        tp_pp = f"TP({p.tensor_model_parallel_size}) x PP({p.pipeline_model_parallel_size})"
+        if left < m or left % m:
+            raise ConfigError(f"{source}: parallel.data_parallel_size=auto needs {tp_pp} = {m} to divide {what}")
+        p.data_parallel_size = left // m
+        log.info("parallel.data_parallel_size: auto = %d (%s / %s)", p.data_parallel_size, what, tp_pp)
+    if r.num_engines is None:
+        actor = m * p.data_parallel_size
+        left = world - actor if gpu_split else world
+        what = (f"the {left} GPUs left of {world} ({shape}) after the actor's TP x PP x DP = {actor}" if gpu_split
+                else f"the {world} devices ({shape})")
+        if left < k or left % k:
+            raise ConfigError(f"{source}: rollout.num_engines=auto needs rollout.tensor_parallel_size={k} to divide "
+                              f"{what}")
+        r.num_engines = left // k
+        log.info("rollout.num_engines: auto = %d (%s / rollout.tensor_parallel_size=%d)", r.num_engines, what, k)
 
 
 def validate_config(cfg: Config, source: str = "config") -> None:
@@ -98,6 +158,10 @@ def validate_config(cfg: Config, source: str = "config") -> None:
     errors = field_errors(cfg)
     if errors:  # the cross-field checks below assume every field in its range
         raise ConfigError(f"{source}: " + "; ".join(errors))
+    unresolved = [key for key, f, _ in recipe_fields() if is_auto(f) and _value(cfg, key) is None]
+    if unresolved:
+        raise ConfigError(f"{source}: {', '.join(unresolved)} still auto: load the recipe with load_config, "
+                          "which derives them (resolve_auto_sizes)")
     a, p, r, t = cfg.algorithm, cfg.parallel, cfg.rollout, cfg.trainer
     e = cfg.env
     if (e.name, e.prompt_template) not in prompt_templates():

@@ -23,7 +23,9 @@ class RolloutConfig:
     response_length`` tokens."""
 
     n: int = num(8, ge=1)
-    num_engines: int = num(1, ge=1)
+    # auto (or null): one engine per tensor_parallel_size devices of the recipe (colocated: engines on every GPU;
+    # disaggregated GPU: on the GPUs the actor leaves), decided when the recipe is loaded
+    num_engines: int | None = num(1, ge=1, auto=True)
     tensor_parallel_size: int = num(1, ge=1)
     temperature: float = num(1.0, gt=0)  # > 0: the actor divides its logits by it
     top_p: float = num(1.0, gt=0, le=1)

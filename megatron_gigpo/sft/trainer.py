@@ -154,10 +154,12 @@ class SFTTrainer(StartedStack):
 
         from megatron_gigpo.builders import start_actor_group, start_ray
         from megatron_gigpo.config import save_config
+        from megatron_gigpo.run.lock import hold_run_dir
         from megatron_gigpo.run.metrics import MetricsLogger
         from megatron_gigpo.models.random_init import resolve_model
 
         cfg = self.cfg
+        self._stack.enter_context(hold_run_dir(cfg.run_dir))  # one run per directory (megatron_gigpo.run.lock)
         start_ray(cfg, self._stack, check_env=False)
         self.model_dir = resolve_model(cfg.model)
         self._load_data(AutoTokenizer.from_pretrained(str(self.model_dir)))

@@ -314,3 +314,56 @@ def test_the_params_dtype_rule_is_stated_once():
     cfg = load_config(RECIPES / "smoke/cpu.yaml", ["model.dtype=bfloat16"])
     assert cfg.model.params_dtype("cpu") == "float32" and cfg.model.params_dtype("cuda") == "bfloat16"
     assert actor_config(cfg, "/nonexistent").params_dtype == "float32"
+
+
+SEVEN_B = RECIPES / "alfworld/qwen2.5-7b-instruct.yaml"  # parallel.data_parallel_size and rollout.num_engines: auto
+
+
+@pytest.mark.parametrize("overrides, dp, engines", [
+    ([], 2, 4),  # the recipe's 1 x 8 GPUs, TP4, engines at TP2
+    (["trainer.nnodes=2"], 4, 8),  # slurm/README.md's two nodes
+    (["trainer.devices_per_node=4"], 1, 2),
+    (["trainer.device=cpu", "trainer.devices_per_node=4", "parallel.tensor_model_parallel_size=1"], 4, 2),
+    (["rollout.weight_sync_mode=disaggregated", "rollout.num_engines=2"], 1, 2),  # the actor takes the 4 left
+    (["rollout.weight_sync_mode=disaggregated", "parallel.data_parallel_size=1"], 1, 2),  # the engines do
+    (["parallel.data_parallel_size=null", "rollout.num_engines=null"], 2, 4),  # null is auto too
+    (["parallel.data_parallel_size=1", "trainer.devices_per_node=4", "rollout.num_engines=1"], 1, 1),  # as written
+])
+def test_auto_sizes_follow_the_world_size(tmp_path, overrides, dp, engines):
+    cfg = load_config(SEVEN_B, overrides)
+    assert (cfg.parallel.data_parallel_size, cfg.rollout.num_engines) == (dp, engines)
+    save_config(cfg, tmp_path / "config.yaml")  # a run's resolved recipe holds the numbers
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert (saved["parallel"]["data_parallel_size"], saved["rollout"]["num_engines"]) == (dp, engines)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # a number is checked as written, with the way out
+    (["trainer.nnodes=2", "parallel.data_parallel_size=2"],
+     "TP(4) x PP(1) x DP(2) = 8 != world size 16 (trainer.nnodes=2 x trainer.devices_per_node=8); "
+     "parallel.data_parallel_size: auto derives DP from the world size"),
+    (["parallel.tensor_model_parallel_size=3"], "parallel.data_parallel_size=auto needs TP(3) x PP(1) = 3 to divide "
+                                                "the world size 8 (trainer.nnodes=1 x trainer.devices_per_node=8)"),
+    (["rollout.tensor_parallel_size=3"], "rollout.num_engines=auto needs rollout.tensor_parallel_size=3 to divide "
+                                         "the 8 devices (trainer.nnodes=1 x trainer.devices_per_node=8)"),
+    (["rollout.weight_sync_mode=disaggregated"], "parallel.data_parallel_size and rollout.num_engines are both auto "
+                                                 "with rollout.weight_sync_mode=disaggregated: set one of them"),
+    (["rollout.weight_sync_mode=disaggregated", "rollout.num_engines=3"],
+     "parallel.data_parallel_size=auto needs TP(4) x PP(1) = 4 to divide the 2 GPUs left of 8"),
+    (["parallel.data_parallel_size=some"], "parallel.data_parallel_size: expected a whole number or auto, got 'some'"),
+    (["rollout.num_engines=0"], "rollout.num_engines=0 must be >= 1"),
+])
+def test_auto_sizes_that_do_not_divide_are_refused(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(SEVEN_B, overrides)
+    assert message in str(err.value)
+
+
+def test_a_recipe_still_auto_is_not_validated():
+    import dataclasses
+
+    from megatron_gigpo.config import validate_config
+
+    cfg = load_config(SEVEN_B)
+    with pytest.raises(ConfigError, match="rollout.num_engines still auto: load the recipe with load_config"):
+        validate_config(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_engines=None)))

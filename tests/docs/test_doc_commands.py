@@ -1,22 +1,33 @@
-"""Every command in README.md and docs/*.md runs as written, as far as a machine without a GPU can tell.
+"""Every command in README.md, docs/*.md and slurm/README.md runs as written, as far as a machine without a GPU can
+tell.
 
 The fenced ``bash`` / ``sh`` / ``shell`` blocks are read line by line (backslash continuations joined, ``&&``
 chains split, leading ``VAR=value`` assignments dropped). Each command is checked without training anything:
 
 - ``megatron-gigpo train|sft|eval|demos|validate RECIPE [options] [overrides]``: the line is parsed by the CLI's own
-  parser, then ``megatron-gigpo validate RECIPE [overrides]`` (with ``--plan`` / ``--gpu-memory-gib`` when given)
-  must exit 0, so the recipe exists, every key and value is valid and the layout fits. ``--preflight`` is left
-  out (it checks this machine's data, devices and services). A ``model.path=runs/...`` override naming the output
-  of an earlier command that is not there is checked with the recipe's own ``model.path`` instead.
+  parser, then ``megatron-gigpo validate RECIPE [overrides]`` (with ``--plan`` / ``--gpu-memory-gib`` /
+  ``--nodes`` / ``--gpus-per-node`` when given) must exit 0, so the recipe exists, every key and value is valid
+  and the layout fits. ``--preflight`` is left out (it checks this machine's data, devices and services). A
+  ``model.path=runs/...`` override naming the output of an earlier command that is not there is checked with the
+  recipe's own ``model.path`` instead.
 - the other ``megatron-gigpo`` subcommands (``plot``, ``convert``, ``serve-retriever``): with ``--help``.
 - ``python3 benchmarks/X.py ...`` and ``python3 tools/X.py ...``: ``--help``.
-- ``sbatch [options] slurm/train.sbatch RECIPE [overrides]``: ``validate RECIPE [overrides]``.
-- commands that set up a machine (``bash scripts/*.sh``, ``pip install``) are not run.
+- ``sbatch [options] slurm/train.sbatch RECIPE [overrides]``: what the job's validation step checks, less the
+  machine (``--preflight``): ``validate --plan --nodes N --gpus-per-node G RECIPE [overrides]`` with the
+  allocation of the sbatch options (``--nodes``/``-N``, default 1; ``--gpus-per-node``, default 0); only
+  ``validate RECIPE [overrides]`` when the command sets ``MEGATRON_GIGPO_VALIDATE=`` (the job skips the step).
+- ``hf download REPO_ID`` (``huggingface-cli download``): the CLI takes ``download --help``, and REPO_ID is the
+  ``model.path`` of a shipped recipe.
+- ``export NAME=value``: NAME is read by megatron-gigpo or ``slurm/train.sbatch``, or is one of
+  :data:`LIBRARY_VARIABLES`.
+- commands that set up a machine (``bash scripts/*.sh``, ``sudo scripts/*.sh``, ``pip install``, ``source``) are
+  not run.
 
 Anything else must follow a comment ``# needs ...`` in its block (a GPU, a Slurm cluster); it is then not run.
 That comment is also required where a command needs what this machine lacks: ``train`` / ``sft`` / ``eval`` or
-``validate --preflight`` of a recipe whose ``trainer.device`` is ``cuda``, a script given ``--device cuda``, and
-``sbatch``. Each checked command is one test, named ``<file>:<line>``.
+``validate --preflight`` of a recipe whose ``trainer.device`` is ``cuda`` without ``--nodes`` (with it, the
+allocation replaces this machine's GPUs), a script given ``--device cuda``, and ``sbatch``. Each checked command
+is one test, named ``<file>:<line>``.
 """
 
 from __future__ import annotations
@@ -34,11 +45,15 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "slurm" / "README.md"]
 SHELL_FENCES = ("bash", "sh", "shell")
 RECIPE_COMMANDS = ("train", "sft", "eval", "demos", "validate")
 NEEDS_GPU_COMMANDS = ("train", "sft", "eval")
-SETUP_COMMANDS = ("pip",)
+SETUP_COMMANDS = ("pip", "source")
+# Variables a documented `export` may set besides those megatron-gigpo and slurm/train.sbatch read: the module whose
+# source reads it, or None where a native library reads it (NCCL; PyTorch's gloo backend, in C++).
+LIBRARY_VARIABLES = {"HF_HOME": "huggingface_hub.constants", "HF_HUB_OFFLINE": "huggingface_hub.constants",
+                     "NCCL_SOCKET_IFNAME": None, "GLOO_SOCKET_IFNAME": None}
 MAX_README_LINES_BEFORE_DOCS_LINK = 120
 # The two commands a fresh machine runs (CI reads the second from README).
 README_COMMANDS = ("bash scripts/setup.sh && megatron-gigpo train recipes/cpu/sokoban.yaml", "bash scripts/test.sh")
@@ -57,6 +72,17 @@ class DocCommand:
         while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):
             words.pop(0)
         return words
+
+    @property
+    def assignments(self) -> dict[str, str]:
+        """The leading ``VAR=value`` words of the command (the environment it sets for itself)."""
+        out = {}
+        for word in shlex.split(self.text, comments=True):
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", word):
+                break
+            name, _, value = word.partition("=")
+            out[name] = value
+        return out
 
     @property
     def needs_gpu(self) -> bool:
@@ -113,7 +139,7 @@ ALL_COMMANDS = [command for path in DOC_FILES for command in doc_commands(path)]
 
 
 def classify(command: DocCommand) -> str:
-    """``recipe``, ``cli-help``, ``script-help``, ``sbatch``, ``setup`` or ``unknown``."""
+    """``recipe``, ``cli-help``, ``script-help``, ``sbatch``, ``hf-download``, ``export``, ``setup`` or ``unknown``."""
     argv = command.argv
     if not argv:
         return "unknown"
@@ -124,12 +150,17 @@ def classify(command: DocCommand) -> str:
         return "script-help"
     if argv[0] == "sbatch":
         return "sbatch"
-    if (argv[0] == "bash" and len(argv) > 1 and argv[1].startswith("scripts/")) or argv[0] in SETUP_COMMANDS:
+    if argv[0] in ("hf", "huggingface-cli") and argv[1:2] == ["download"]:
+        return "hf-download"
+    if argv[0] == "export" and len(argv) == 2 and "=" in argv[1]:
+        return "export"
+    if (argv[0] in ("bash", "sudo") and len(argv) > 1 and argv[1].startswith("scripts/")) or argv[0] in SETUP_COMMANDS:
         return "setup"
     return "unknown"
 
 
-CHECKED = [c for c in ALL_COMMANDS if classify(c) in ("recipe", "cli-help", "script-help", "sbatch")]
+CHECKED = [c for c in ALL_COMMANDS
+           if classify(c) in ("recipe", "cli-help", "script-help", "sbatch", "hf-download", "export")]
 
 
 def _ids(commands: list[DocCommand]) -> list[str]:
@@ -180,7 +211,68 @@ def _validate_argv(args, recipe: str, overrides: list[str]) -> list[str]:
         argv.append("--plan")
     if getattr(args, "gpu_memory_gib", None) is not None:
         argv += ["--gpu-memory-gib", str(args.gpu_memory_gib)]
+    if getattr(args, "nodes", None) is not None:
+        argv += ["--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus_per_node)]
     return argv
+
+
+def _sbatch_allocation(options: list[str]) -> tuple[int, int]:
+    """``(nodes, GPUs per node)`` that sbatch ``options`` ask for: train.sbatch's ``--nodes=1`` and no GPU unless
+    ``--nodes``/``-N`` or ``--gpus-per-node`` (``8`` or ``h100:8``) say otherwise."""
+    nodes, gpus = 1, 0
+    words = iter(options)
+    for word in words:
+        key, eq, value = word.partition("=")
+        if key in ("--nodes", "-N", "--gpus-per-node"):
+            value = value if eq else next(words)
+            if key == "--gpus-per-node":
+                gpus = int(value.rsplit(":", 1)[-1])
+            else:
+                nodes = int(value.split("-")[0])  # a range min-max: its minimum
+    return nodes, gpus
+
+
+@functools.lru_cache(maxsize=None)
+def _read_by_the_project() -> str:
+    """The text of megatron-gigpo's sources and slurm/train.sbatch, where the variables they read are named."""
+    files = [ROOT / "slurm" / "train.sbatch", *sorted((ROOT / "megatron_gigpo").rglob("*.py"))]
+    return "\n".join(f.read_text() for f in files)
+
+
+def _check_export(command: DocCommand, where: str) -> None:
+    import importlib
+    import inspect
+
+    name = command.argv[1].partition("=")[0]
+    if name in LIBRARY_VARIABLES:
+        module = LIBRARY_VARIABLES[name]
+        if module is not None:
+            assert name in inspect.getsource(importlib.import_module(module)), f"{where}\n{module} does not read {name}"
+        return
+    assert re.search(rf"\b{name}\b", _read_by_the_project()), (
+        f"{where}\nneither megatron-gigpo nor slurm/train.sbatch reads {name} (a library's variable: add it to "
+        f"LIBRARY_VARIABLES with the module that reads it)")
+
+
+def _check_hf_download(command: DocCommand, where: str) -> None:
+    from megatron_gigpo.config import load_config
+
+    argv = command.argv
+    repo_id = next((w for w in argv[2:] if not w.startswith("-")), None)
+    recipes = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if p.name != "base.yaml" and "_base" not in p.parts)
+    models = {load_config(p).model.path for p in recipes}
+    assert repo_id in models, f"{where}\n{repo_id} is the model of no shipped recipe ({', '.join(sorted(models))})"
+    rc, out = _tool_help((argv[0], "download"))
+    assert rc == 0, f"{where}\n`{argv[0]} download --help` exited {rc}:\n{out}"
+
+
+@functools.lru_cache(maxsize=None)
+def _tool_help(words: tuple[str, ...]) -> tuple[int, str]:
+    try:
+        proc = subprocess.run([*words, "--help"], capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        return 127, f"{words[0]}: not found"
+    return proc.returncode, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 @functools.lru_cache(maxsize=None)
@@ -205,19 +297,30 @@ def test_doc_command(command: DocCommand, capsys, monkeypatch):
         rc, out = _cli([*sub, "--help"], capsys)
         assert rc == 0, f"{where}\n`megatron-gigpo {' '.join(sub)} --help` exited {rc}:\n{out}"
         return
+    if kind == "export":
+        _check_export(command, where)
+        return
+    if kind == "hf-download":
+        _check_hf_download(command, where)
+        return
+    allocation = []
     if kind == "sbatch":
         assert command.needs_slurm, f"{where}\nneeds a Slurm cluster: put a `# needs a Slurm cluster` comment before it"
         script = next((i for i, w in enumerate(argv) if w == "slurm/train.sbatch"), None)
         assert script is not None and len(argv) > script + 1, f"{where}\nexpected `sbatch ... slurm/train.sbatch RECIPE`"
+        if command.assignments.get("MEGATRON_GIGPO_VALIDATE", None) != "":  # the job's validation step runs
+            nodes, gpus = _sbatch_allocation(argv[1:script])
+            allocation = ["--plan", "--nodes", str(nodes), "--gpus-per-node", str(gpus)]
         argv = ["megatron-gigpo", "train", *argv[script + 1:]]
     args = _parse_recipe_command(argv[1:])
     from megatron_gigpo.config import load_config
 
-    check = _validate_argv(args, args.recipe, list(args.overrides))
+    check = _validate_argv(args, args.recipe, list(args.overrides)) + allocation
     rc, out = _cli(check, capsys)
     assert rc == 0, f"{where}\n`megatron-gigpo {' '.join(check)}` exited {rc}:\n{out}"
     device = load_config(args.recipe, [w for w in check[2:] if "=" in w]).trainer.device
-    runs_here = argv[1] in NEEDS_GPU_COMMANDS or (argv[1] == "validate" and getattr(args, "preflight", False))
+    runs_here = argv[1] in NEEDS_GPU_COMMANDS or (
+        argv[1] == "validate" and getattr(args, "preflight", False) and getattr(args, "nodes", None) is None)
     if kind == "recipe" and runs_here and device == "cuda":
         assert command.needs_gpu, f"{where}\nthe recipe trains on CUDA: put a `# needs a GPU` comment before it"
 
@@ -227,7 +330,7 @@ def test_every_doc_command_is_checked_or_declared():
     unchecked = [c for c in ALL_COMMANDS if classify(c) == "unknown" and not c.needs]
     assert not unchecked, "commands neither checked nor marked `# needs ...`:\n" + "\n".join(
         f"{c.file}:{c.line}: {c.text}" for c in unchecked)
-    assert CHECKED, "no commands found in README.md and docs/"
+    assert CHECKED, "no commands found in README.md, docs/ and slurm/README.md"
 
 
 def test_readme_keeps_the_fresh_machine_commands():

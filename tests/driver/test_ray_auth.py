@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from megatron_gigpo.cluster.ray_setup import AUTH_KNOB, RayAuthError, connect_ray, local_ray_env, ray_auth_mode
+from megatron_gigpo.cluster.ray_setup import (
+    AUTH_KNOB, MIN_RAY_TOKEN_AUTH, RayAuthError, check_ray_version, connect_ray, local_ray_env, ray_auth_mode,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -88,3 +92,22 @@ def test_connecting_without_a_token_says_how_to_supply_one(clean_env, monkeypatc
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(clean_env / "empty"))
     with pytest.raises(RayAuthError, match="the file is empty"):
         connect_ray("127.0.0.1:1")
+
+
+@pytest.mark.parametrize("version, refused", [("2.40.0", True), ("2.51.2", True), ("2.52.0rc1", True),
+                                              ("2.52.0", False), ("2.60.0", False), ("3.0.0.dev0", False)])
+def test_token_mode_refuses_a_ray_without_token_authentication(version, refused):
+    if refused:
+        with pytest.raises(RayAuthError, match=rf"Ray {re.escape(version)} has no token authentication .*"
+                                               rf"ray>=2\.52\.0.*{AUTH_KNOB}=disabled"):
+            check_ray_version("token", version)
+    else:
+        check_ray_version("token", version)
+    check_ray_version("disabled", version)  # the opt-out runs on any Ray
+
+
+def test_the_installed_ray_and_the_package_floor_have_token_authentication():
+    check_ray_version("token")  # the installed Ray (its metadata)
+    deps = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    floor = next(d for d in deps["dependencies"] if re.match(r"ray\b", d))
+    assert floor == f"ray>={MIN_RAY_TOKEN_AUTH.removesuffix('.0')}"

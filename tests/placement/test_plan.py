@@ -106,7 +106,7 @@ def test_plan_summary_counts_in_the_singular(capsys):
 @pytest.mark.parametrize(
     "recipe, overrides, message",
     [
-        (ALF_7B, ["rollout.tensor_parallel_size=4"],
+        (ALF_7B, ["rollout.tensor_parallel_size=4", "rollout.num_engines=4"],
          "colocated engines need rollout.num_engines=4 x rollout.tensor_parallel_size=4 = 16 GPUs but share the "
          "actor ranks' 8 (trainer.nnodes=1 x trainer.devices_per_node=8)"),
         (ALF_7B, ["trainer.devices_per_node=6", "parallel.tensor_model_parallel_size=2",
@@ -116,7 +116,7 @@ def test_plan_summary_counts_in_the_singular(capsys):
         (ALF_7B, ["trainer.nnodes=4", "trainer.devices_per_node=2", "parallel.data_parallel_size=4",
                   "parallel.tensor_model_parallel_size=2", "rollout.tensor_parallel_size=4", "rollout.num_engines=2"],
          "rollout.tensor_parallel_size=4: an engine's GPUs must be on one node, which has trainer.devices_per_node=2"),
-        (SOKOBAN, ["rollout.weight_sync_mode=disaggregated"],
+        (SOKOBAN, ["rollout.weight_sync_mode=disaggregated", "parallel.data_parallel_size=2", "rollout.num_engines=2"],
          "needs TP(1) x PP(1) x DP(2) = 2 actor GPUs + rollout.num_engines=2 x rollout.tensor_parallel_size=1 = 2 "
          "engine GPUs = 4 GPUs (each engine's on one node), but trainer.nnodes=1 x trainer.devices_per_node=2 = 2 "
          "GPUs cannot hold them"),
@@ -131,7 +131,8 @@ def test_a_recipe_that_does_not_fit_is_refused_naming_the_numbers(recipe, overri
 
 
 def test_disaggregated_gpu_engines_take_whole_gpus_after_the_ranks():
-    cfg = load_config(SOKOBAN, ["trainer.devices_per_node=4", "rollout.weight_sync_mode=disaggregated"])
+    cfg = load_config(SOKOBAN, ["trainer.devices_per_node=4", "rollout.weight_sync_mode=disaggregated",
+                                "parallel.data_parallel_size=2"])  # the engines take the other 2 GPUs (auto)
     plan = plan_placement(cfg)
     assert [(s.bundle, s.num_gpus) for s in plan.ranks] == [(0, 1.0), (1, 1.0)]
     assert [(e.host.bundle, e.host.num_gpus, e.gpus) for e in plan.engines] == [(2, 1.0, (2,)), (3, 1.0, (3,))]
@@ -147,7 +148,8 @@ def test_disaggregated_gpu_engines_take_whole_gpus_after_the_ranks():
     with pytest.raises(PlacementError, match=r"= 16 GPUs \(each engine's on one node\)"):
         plan_placement(cfg, ClusterShape(2, 7))
     # Ranks and engines all on the first of two nodes: the second gets no placement group.
-    plan = plan_placement(load_config(SOKOBAN, ["trainer.nnodes=2", "rollout.weight_sync_mode=disaggregated"]),
+    plan = plan_placement(load_config(SOKOBAN, ["trainer.nnodes=2", "rollout.weight_sync_mode=disaggregated",
+                                                "parallel.data_parallel_size=2", "rollout.num_engines=2"]),
                           ClusterShape(2, 4))
     assert len(plan.bundles) == 1 and plan.total_gpus == 4
     assert placement_errors(cfg, ClusterShape(1, 8)) and "12 actor GPUs" in placement_errors(cfg, ClusterShape(1, 8))[0]
@@ -196,7 +198,8 @@ def test_engines_on_other_nodes_get_the_weights_through_their_nodes_leader(capsy
                                           "via shm")
     # One node, or the broadcast transport: no relay.
     assert weight_relays(plan_placement(load_config(ALF_7B))) == ()
-    disaggregated = plan_placement(load_config(SOKOBAN, ["trainer.nnodes=2", "rollout.weight_sync_mode=disaggregated"]),
+    disaggregated = plan_placement(load_config(SOKOBAN, ["trainer.nnodes=2", "rollout.weight_sync_mode=disaggregated",
+                                                         "parallel.data_parallel_size=2", "rollout.num_engines=2"]),
                                    ClusterShape(2, 2))
     assert {e.node for e in disaggregated.engines} == {1} and weight_relays(disaggregated) == ()
 
@@ -224,8 +227,8 @@ def test_a_same_node_transport_that_cannot_reach_an_engine_is_refused_naming_the
     ("smoke/cpu.yaml", [], "shm", "gloo"),
     ("smoke/cpu.yaml", ["rollout.weight_sync_mode=disaggregated"], "broadcast", "gloo"),
     ("alfworld/qwen2.5-7b-instruct.yaml", [], "cuda_ipc", "nccl"),
-    ("sokoban/qwen2.5-1.5b-instruct.yaml", ["trainer.nnodes=2", "rollout.weight_sync_mode=disaggregated"],
-     "broadcast", "nccl"),
+    ("sokoban/qwen2.5-1.5b-instruct.yaml", ["trainer.nnodes=2", "rollout.weight_sync_mode=disaggregated",
+                                            "parallel.data_parallel_size=2"], "broadcast", "nccl"),
 ])
 def test_the_plan_decides_the_weight_sync_transport_and_backend(recipe, overrides, transport, backend):
     """One decision: the plan's transport and backend are what the run's sync uses (builders passes them) and

@@ -62,7 +62,9 @@ def test_ray_head_on_one_node_runs_the_driver_and_stops(slurm_cluster, tmp_path)
     result = run_job(tmp_path, ["--partition=debug"], args, {"MEGATRON_GIGPO_DRIVER": PROBE})
 
     assert (result.state, result.exit_code) == ("COMPLETED", 0), result.describe()
-    assert f"validating: megatron-gigpo validate {' '.join(args)}" in result.output, result.describe()
+    # The default validation: the plan and the preflight, against the allocation (1 node, no GPU).
+    validation = f"validating: megatron-gigpo validate --plan --preflight --nodes=1 --gpus-per-node=0 {' '.join(args)}"
+    assert validation in result.output, result.describe()
     report = probe_report(result)
     assert report["argv"] == args  # passed through word for word, the space included
     assert report["ray_address"].startswith("127.0.0.1:")  # one node stays on loopback
@@ -107,6 +109,24 @@ def test_invalid_override_fails_before_ray_starts(slurm_cluster, tmp_path):
         assert (result.state, result.exit_code) == ("FAILED", 2), result.describe()
         assert "unknown key 'trainer.no_such_key'" in result.output, result.describe()
         assert "waiting" not in result.output and "stopping Ray" not in result.output, result.describe()
+    finally:
+        remove_ray_dirs(result.job_id)
+
+
+def test_an_allocation_unlike_the_recipe_fails_before_ray_starts(slurm_cluster, tmp_path):
+    """A 1-node recipe on --nodes=2: the validation step compares the allocation with trainer.nnodes and fails the
+    job in seconds, naming the key and the sbatch option, before any `ray start` (before: one node idled)."""
+    if "multinode" not in slurm_cluster.partitions:
+        pytest.skip("the test cluster has no multinode partition (MEGATRON_GIGPO_SLURM_EMULATED_NODES=0)")
+    result = run_job(tmp_path, ["--partition=multinode", "--nodes=2", "--gpus-per-node=1"], [RECIPE],
+                     {"MEGATRON_GIGPO_DRIVER": PROBE})
+    try:
+        assert (result.state, result.exit_code) == ("FAILED", 2), result.describe()
+        assert "validating: megatron-gigpo validate --plan --preflight --nodes=2 --gpus-per-node=1" in result.output
+        assert ("the allocation (--nodes=2) does not match the recipe (trainer.nnodes=1): 1 node(s) would idle. "
+                "Submit with `sbatch --nodes=1`, or set trainer.nnodes=2") in result.output, result.describe()
+        assert "ray start" not in result.output and "waiting" not in result.output, result.describe()
+        assert "RAY_PROBE" not in result.output and not job_paths(result.job_id), result.describe()
     finally:
         remove_ray_dirs(result.job_id)
 
