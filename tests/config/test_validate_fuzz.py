@@ -20,7 +20,7 @@ SMOKE = Path(__file__).resolve().parents[2] / "recipes" / "smoke" / "cpu.yaml"
 
 # String settings that name things (paths, URLs, names) rather than pick from a list.
 FREE_TEXT = {
-    "model.path", "env.data_dir", "env.search.passages_path", "env.search.index_path", "env.search.url",
+    "model.path", "model.revision", "env.data_dir", "env.search.passages_path", "env.search.index_path", "env.search.url",
     "env.search.index_name", "env.search.train_file", "env.search.val_file", "env.alfworld.train_split_dir",
     "env.alfworld.val_split_dir", "rollout.stop", "trainer.output_dir", "trainer.project_name",
     "trainer.experiment_name", "checkpoint.dir", "sft.train_file", "sft.val_file", "env.webshop.items_file",
