@@ -26,17 +26,19 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print("megatron-gigpo validate: --nodes and --gpus-per-node go together (the job's allocation)",
               file=sys.stderr)
         return 2
-    cfg = load_config(args.recipe, args.overrides)
     from megatron_gigpo.cluster.preflight import Allocation, check_allocation, preflight
 
+    cfg = load_config(args.recipe, args.overrides)
+    model = cfg.model.path
     allocation = None if args.nodes is None else Allocation(args.nodes, args.gpus_per_node)
     if args.preflight:
         preflight(cfg, allocation=allocation)
+        cfg = _local_model(cfg, download=False)  # a hub id: its cached snapshot, which --plan then reads
     elif allocation is not None:
         check_allocation(cfg, allocation)
     p, r = cfg.parallel, cfg.rollout
     print(
-        f"{args.recipe}: ok — model {cfg.model.path}, env {cfg.env.name}, "
+        f"{args.recipe}: ok — model {model}, env {cfg.env.name}, "
         f"TP{p.tensor_model_parallel_size} x PP{p.pipeline_model_parallel_size} x DP{p.data_parallel_size} "
         f"on {cfg.trainer.nnodes} node(s) x {cfg.trainer.devices_per_node} {cfg.trainer.device} device(s), "
         f"{r.num_engines} engine(s) x TP{r.tensor_parallel_size}, {cfg.env.num_groups} groups x {r.n} rollouts"
@@ -91,6 +93,15 @@ def _gib(text: str) -> float:
     return value
 
 
+def _local_model(cfg, *, download: bool = True):
+    """``cfg`` whose ``model.path`` is a local directory: a hub id resolved once, here, through the Hugging Face
+    cache before anything starts (downloaded into it when ``download`` and not ``HF_HUB_OFFLINE``), so that every
+    reader after it gets the snapshot directory (megatron_gigpo.models.hub)."""
+    from megatron_gigpo.models.hub import with_local_model
+
+    return with_local_model(cfg, download=download)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from megatron_gigpo.actor.checkpoint_layout import latest_checkpoint
     from megatron_gigpo.config import load_config
@@ -104,7 +115,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"megatron-gigpo: nothing to train: {found[1]} is iteration {found[0]} and "
               f"trainer.total_iterations={cfg.trainer.total_iterations}; raise it to train further")
         return 0
-    cfg = cold_start(cfg)  # sft.enabled: demonstrations and SFT first (each skipped once done)
+    cfg = cold_start(_local_model(cfg))  # sft.enabled: demonstrations and SFT first (each skipped once done)
     train(cfg)
     return 0
 
@@ -114,7 +125,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     from megatron_gigpo.sft.cold_start import with_sft_data
     from megatron_gigpo.sft.trainer import run_sft
 
-    cfg = load_config(args.recipe, args.overrides)
+    cfg = _local_model(load_config(args.recipe, args.overrides))
     run_sft(with_sft_data(cfg))  # sft.train_file null: the expert's demonstrations (sft.demos)
     return 0
 
@@ -127,6 +138,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     cfg = from_cold_start(load_config(args.recipe, args.overrides))  # the model RL started from
     found = checkpoint_from_cli(args.checkpoint, "--checkpoint")
+    cfg = _local_model(cfg)
     print(f"megatron-gigpo: evaluating {found[1]} (iteration {found[0]})")
     metrics = evaluate(cfg, checkpoint=str(found[1]))
     for key in sorted(metrics):
@@ -138,7 +150,7 @@ def _cmd_demos(args: argparse.Namespace) -> int:
     from megatron_gigpo.config import load_config
     from megatron_gigpo.demos.writer import write_demos
 
-    cfg = load_config(args.recipe, args.overrides)
+    cfg = _local_model(load_config(args.recipe, args.overrides))
     d = cfg.sft.demos  # the recipe's values, unless a flag overrides them
     with _sigterm_as_exit():  # a time limit's SIGTERM: finished episodes are kept for a re-run
         stats = write_demos(cfg, args.out, d.num_episodes if args.num_episodes is None else args.num_episodes,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import typing
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -39,8 +40,9 @@ class Range:
     """The allowed values of a numeric setting: an interval, each end open, closed or unbounded (None).
 
     ``str(Range(gt=0, le=1))`` is ``"in (0, 1]"``; a one-sided range reads ``">= 1"`` or ``"> 0"``. A list
-    setting (``list[int]``) is checked item by item and, with ``length``, for its number of items. NaN is in
-    no range.
+    setting (``list[int]``) is checked item by item and, with ``length``, for its number of items. NaN and the
+    infinities are in no range (a setting is a finite number: ``inf`` or ``1e400`` as a learning rate, a clip
+    ratio or a temperature only ever poisons the run).
     """
 
     ge: float | None = None
@@ -50,6 +52,8 @@ class Range:
     length: int | None = None
 
     def __contains__(self, value: float) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
         return not ((self.ge is not None and not value >= self.ge) or (self.gt is not None and not value > self.gt)
                     or (self.le is not None and not value <= self.le) or (self.lt is not None and not value < self.lt))
 
@@ -119,10 +123,15 @@ def leaf_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.
             yield key, f, tp
 
 
+def _range_error(key: str, value: float, rng: Range) -> str:
+    finite = " and finite" if isinstance(value, float) and not math.isfinite(value) else ""
+    return f"{key}={value!r} must be {rng}{finite}"
+
+
 def field_errors(obj: Any) -> list[str]:
     """One message per value of ``obj`` (a dataclass tree) outside its field's range or choices, naming the
-    dotted key, the value and what is allowed (``"rollout.top_p=2.0 must be in (0, 1]"``); None values and
-    fields without metadata are not checked."""
+    dotted key, the value and what is allowed (``"rollout.top_p=2.0 must be in (0, 1]"``,
+    ``"optim.lr=inf must be > 0 and finite"``); None values and fields without metadata are not checked."""
     errors = []
     for key, f, _ in leaf_fields(type(obj)):
         value = obj
@@ -139,7 +148,7 @@ def field_errors(obj: Any) -> list[str]:
         if isinstance(value, list):
             if rng.length is not None and len(value) != rng.length:
                 errors.append(f"{key}={value!r} must have {rng.length} items")
-            errors += [f"{key}[{i}]={v!r} must be {rng}" for i, v in enumerate(value) if v not in rng]
+            errors += [_range_error(f"{key}[{i}]", v, rng) for i, v in enumerate(value) if v not in rng]
         elif value not in rng:
-            errors.append(f"{key}={value!r} must be {rng}")
+            errors.append(_range_error(key, value, rng))
     return errors

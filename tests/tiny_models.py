@@ -154,3 +154,29 @@ def make_walker_model(tmp_path: Path, actions: list[str], *, name: str = "walker
             head[nexts, slot] = 5.0
     model.save_pretrained(str(out))
     return out
+
+
+def add_to_hub_cache(cache: Path, repo_id: str, model_dir: Path, commit: str, refs: tuple[str, ...] = ("main",)) -> Path:
+    """Lay ``model_dir``'s files into the Hugging Face hub cache ``cache`` as a download of ``repo_id`` at commit
+    ``commit`` (40 hex digits) would: ``models--Org--Name/blobs/<sha256>``, ``snapshots/<commit>/<file>`` as
+    relative symlinks to the blobs, and ``refs/<ref>`` holding the commit for each of ``refs`` (branches or tags).
+    Returns the snapshot directory."""
+    import hashlib
+    import os
+
+    repo = Path(cache) / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for item in sorted(Path(model_dir).iterdir()):
+        if not item.is_file():
+            continue
+        data = item.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        if not blob.exists():
+            blob.write_bytes(data)
+        (snapshot / item.name).symlink_to(os.path.relpath(blob, snapshot))
+    for ref in refs:
+        (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot

@@ -258,9 +258,12 @@ def _parser(description: str, *, to_hf: bool) -> argparse.ArgumentParser:
         parser.add_argument("--peft", action="store_true",
                             help="LoRA checkpoint: write a Hugging Face PEFT adapter folder instead of merged weights")
         parser.add_argument("--base-dir", default=None,
-                            help="LoRA checkpoint: the base HF model (default: the path in its lora.json)")
+                            help="LoRA checkpoint: the base HF model, a directory or a hub id in the Hugging Face "
+                                 "cache (default: the path in its lora.json)")
     else:
-        parser.add_argument("--hf-dir", required=True, help="HF model directory (config.json + safetensors)")
+        parser.add_argument("--hf-dir", required=True, help="HF model directory (config.json + safetensors), or a "
+                            "hub id (Org/Name) in the Hugging Face cache (HF_HOME / HF_HUB_CACHE)")
+        parser.add_argument("--revision", default=None, help="with a hub id as --hf-dir: branch, tag or commit")
         parser.add_argument("--params-dtype", choices=sorted(_DTYPES), default=None, help="default: HF config")
     parser.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-model-parallel size")
@@ -287,11 +290,24 @@ def _run(tp: int, pp: int, work) -> int:
     return 0
 
 
+def _cached(path: str | None, revision: str | None = None) -> str | None:
+    """A hub id (``Org/Name``) as its snapshot directory in the Hugging Face cache (never downloaded: each rank of a
+    torchrun resolves it); a directory as given.
+
+    Raises:
+        ModelNotCachedError (a FileNotFoundError): a hub id not in the cache, with the command that fetches it.
+    """
+    from megatron_gigpo.models.hub import hub_snapshot, is_hub_id
+
+    return str(hub_snapshot(path, revision, download=False)) if path and is_hub_id(path) else path
+
+
 def main_hf_to_megatron(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``tools/convert_hf_to_megatron.py``."""
     args = _parser("Convert an HF model to a Megatron distributed checkpoint.", to_hf=False).parse_args(argv)
     dtype = _DTYPES[args.params_dtype] if args.params_dtype else None
-    return _run(args.tp, args.pp, lambda: convert_hf_to_megatron(args.hf_dir, args.out, params_dtype=dtype))
+    hf_dir = _cached(args.hf_dir, args.revision)
+    return _run(args.tp, args.pp, lambda: convert_hf_to_megatron(hf_dir, args.out, params_dtype=dtype))
 
 
 def main_megatron_to_hf(argv: Sequence[str] | None = None) -> int:
@@ -302,6 +318,7 @@ def main_megatron_to_hf(argv: Sequence[str] | None = None) -> int:
     iteration, megatron_dir = checkpoint_from_cli(args.megatron_dir, "--megatron-dir", other_folders=True)
     if iteration is not None:
         print(f"converting {megatron_dir} (iteration {iteration})", flush=True)
+    base_dir = _cached(args.base_dir)
     return _run(
         args.tp,
         args.pp,
@@ -313,6 +330,6 @@ def main_megatron_to_hf(argv: Sequence[str] | None = None) -> int:
             dtype=_DTYPES[args.dtype] if args.dtype else None,
             prefix=args.key_prefix,
             peft=args.peft,
-            base_dir=args.base_dir,
+            base_dir=base_dir,
         ),
     )

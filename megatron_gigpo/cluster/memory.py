@@ -163,7 +163,7 @@ class GPUMemory:
 
 def policy_hf_config(cfg: PlannedRecipe) -> dict[str, Any] | None:
     """config.json of the policy (``model.architecture`` applied for ``init: random``); None if unknown."""
-    hf = hf_config_for(cfg.model.path)
+    hf = hf_config_for(cfg.model.path, cfg.model.revision)
     if hf is None:
         return None
     if cfg.model.init == "random":

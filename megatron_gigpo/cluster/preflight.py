@@ -45,10 +45,17 @@ def _check_model(cfg: CheckedRecipe) -> list[str]:
         return BUILTIN_MODELS[name].check()
     local = expand(path)
     if not (local / "config.json").is_file():
-        return [
-            f"model.path '{path}' is not a local Hugging Face directory with config.json; download it first "
-            f"(e.g. `huggingface-cli download {path} --local-dir DIR`) and set model.path=DIR"
-        ]
+        from megatron_gigpo.models.hub import ModelNotCachedError, hub_snapshot, is_hub_id
+
+        if not is_hub_id(path):
+            return [f"model.path '{path}' is not a local Hugging Face directory with config.json ({local}), a "
+                    f"Hugging Face hub id (Org/Name) or a builtin: model"]
+        try:  # the check on the allocation never downloads (train does, where allowed, before it starts)
+            local = hub_snapshot(path, cfg.model.revision, download=False)
+        except ModelNotCachedError as exc:
+            return [str(exc)]
+        if not (local / "config.json").is_file():
+            return [f"model.path '{path}': its cached snapshot {local} has no config.json"]
     if cfg.model.init == "pretrained" and not list(local.glob("*.safetensors")):  # random: config + tokenizer
         return [f"model.path '{path}': no *.safetensors weights in {local}"]
     return []

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
+import shlex
 import tempfile
 import types
 import typing
@@ -74,14 +76,23 @@ def _read_recipe(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"{path}: circular 'base:' chain {' -> '.join(map(str, seen + (path,)))}")
+    where = f" (base of {seen[-1]})" if seen else ""
+    if path.is_dir():
+        raise ConfigError(f"recipe {path}{where} is a directory; name a recipe YAML file in it "
+                          f"({', '.join(sorted(p.name for p in path.glob('*.yaml'))[:5]) or 'it has none'})")
     if not path.is_file():
-        where = f" (base of {seen[-1]})" if seen else ""
         raise ConfigError(f"recipe file not found: {path}{where}")
-    with path.open() as f:
-        try:
-            data = yaml.load(f, Loader=_UniqueKeyLoader) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise ConfigError(f"recipe {path}{where}: cannot read it: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"recipe {path}{where} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                          f"{exc.start}); a recipe is a YAML file in UTF-8") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a recipe must be a mapping, got {type(data).__name__}")
     base_ref = data.pop("base", None)
@@ -93,10 +104,12 @@ def _read_recipe(path: Path, seen: tuple[Path, ...] = ()) -> dict:
 
 
 def parse_overrides(overrides: list[str]) -> dict:
-    """Turn ``["env.max_steps=3", "rollout.stop=['</action>']"]`` into a nested dict.
+    """Turn ``["env.max_steps=3", "rollout.stop=['</action>']"]`` into a nested dict. Each value is read as YAML,
+    as in a recipe file, so a value that YAML cannot read (``[a,``, ``@x``, ``*x``, ``%x``) is refused rather than
+    guessed at: quoting it (``'model.path="@x"'``) makes it a string.
 
     Raises:
-        ConfigError: an override without ``=`` or without a section.
+        ConfigError: an override without ``=`` or without a section, or whose value is not valid YAML.
     """
     out: dict = {}
     for item in overrides:
@@ -109,8 +122,20 @@ def parse_overrides(overrides: list[str]) -> dict:
         node = out
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        node[parts[-1]] = _override_value(item, dotted, raw)
     return out
+
+
+def _override_value(item: str, dotted: str, raw: str) -> Any:
+    if not raw.strip():
+        return ""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        quoted = shlex.quote(f"{dotted}={json.dumps(raw)}")
+        raise ConfigError(f"command line: override '{item}': the value is not valid YAML ({problem}); to mean the "
+                          f"text itself, quote it: {quoted}") from None
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:

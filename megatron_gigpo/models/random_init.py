@@ -86,7 +86,7 @@ def _random_config(base_dir: Path, architecture) -> dict:
     return hf
 
 
-def random_model_dir(base: str, architecture, seed: int) -> Path:
+def random_model_dir(base: str, architecture, seed: int, revision: str | None = None) -> Path:
     """The Hugging Face directory of a random model shaped by ``architecture`` over ``base``; built on first call.
 
     Args:
@@ -94,6 +94,7 @@ def random_model_dir(base: str, architecture, seed: int) -> Path:
             vocabulary and tokenizer.
         architecture: a :class:`~megatron_gigpo.models.config.ArchitectureConfig`.
         seed: seed of ``torch.manual_seed`` before the weights are drawn.
+        revision: ``model.revision`` of a hub id ``base``.
 
     Returns:
         the directory (config.json, model.safetensors in float32, generation_config.json, tokenizer files).
@@ -101,7 +102,7 @@ def random_model_dir(base: str, architecture, seed: int) -> Path:
     Raises:
         FileNotFoundError / ValueError: ``base`` does not resolve (see ``resolve_model_path``).
     """
-    base_dir = resolve_model_path(base)
+    base_dir = resolve_model_path(base, revision)
     hf = _random_config(base_dir, architecture)
     digest = hashlib.sha256(json.dumps([hf, int(seed)], sort_keys=True).encode()).hexdigest()[:16]
     out = cache_root() / "models" / f"random-{digest}"
@@ -147,5 +148,5 @@ def resolve_model(model_cfg) -> Path:
         FileNotFoundError / ValueError: the path does not resolve (see ``resolve_model_path``).
     """
     if model_cfg.init == "random":
-        return random_model_dir(model_cfg.path, model_cfg.architecture, model_cfg.seed)
-    return resolve_model_path(model_cfg.path)
+        return random_model_dir(model_cfg.path, model_cfg.architecture, model_cfg.seed, model_cfg.revision)
+    return resolve_model_path(model_cfg.path, model_cfg.revision)

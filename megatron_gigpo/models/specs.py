@@ -2,7 +2,7 @@
 
 :data:`KNOWN_MODELS` holds, per model id, the subset of its Hugging Face ``config.json`` that the layout checks
 (:mod:`megatron_gigpo.config`) and the memory estimate (:mod:`megatron_gigpo.cluster.memory`) read. A local model
-directory is read from its own ``config.json`` instead (:func:`hf_config_for`). Sources: each model's
+directory, or a hub id in the Hugging Face cache, is read from its own ``config.json`` instead (:func:`hf_config_for`). Sources: each model's
 ``config.json`` on the Hugging Face hub (Qwen/Qwen2.5-*-Instruct, HuggingFaceTB/SmolLM2-135M-Instruct).
 """
 
@@ -40,13 +40,20 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-def hf_config_for(path: str) -> dict[str, Any] | None:
-    """The ``config.json`` of ``path`` (a local Hugging Face directory) or of a known model id; None if neither.
+def hf_config_for(path: str, revision: str | None = None) -> dict[str, Any] | None:
+    """The ``config.json`` of ``path``: a local Hugging Face directory, else a hub id's cached snapshot at
+    ``revision`` (:func:`megatron_gigpo.models.hub.cached_snapshot`; no download), else a known model id
+    (:data:`KNOWN_MODELS`); None if none of these.
 
     Raises:
-        ValueError: ``path/config.json`` exists but is not valid JSON.
+        ValueError: the ``config.json`` found is not valid JSON.
     """
+    from megatron_gigpo.models.hub import cached_snapshot, is_hub_id
+
     cfg_file = Path(os.path.expanduser(path)) / "config.json"
+    snapshot = cached_snapshot(path, revision) if not cfg_file.is_file() and is_hub_id(path) else None
+    if snapshot is not None:
+        cfg_file = snapshot / "config.json"
     if cfg_file.is_file():
         try:
             return json.loads(cfg_file.read_text())

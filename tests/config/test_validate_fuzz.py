@@ -20,7 +20,7 @@ SMOKE = Path(__file__).resolve().parents[2] / "recipes" / "smoke" / "cpu.yaml"
 
 # String settings that name things (paths, URLs, names) rather than pick from a list.
 FREE_TEXT = {
-    "model.path", "env.data_dir", "env.search.passages_path", "env.search.index_path", "env.search.url",
+    "model.path", "model.revision", "env.data_dir", "env.search.passages_path", "env.search.index_path", "env.search.url",
     "env.search.index_name", "env.search.train_file", "env.search.val_file", "env.alfworld.train_split_dir",
     "env.alfworld.val_split_dir", "rollout.stop", "trainer.output_dir", "trainer.project_name",
     "trainer.experiment_name", "checkpoint.dir", "sft.train_file", "sft.val_file", "env.webshop.items_file",
@@ -99,7 +99,7 @@ def test_every_numeric_field_states_a_range(key, f, tp):
 def test_out_of_range_values_are_refused_naming_key_and_range(key, f, tp):
     rng = f.metadata["range"]
     integer = _base_type(tp) is int
-    values = _outside(rng, integer) + ([] if integer else ["nan"])
+    values = _outside(rng, integer) + ([] if integer else ["nan", "inf", "-inf"])
     assert values
     for value in values:
         with pytest.raises(ConfigError) as info:
@@ -161,3 +161,4 @@ def test_range_text():
     assert str(Range(ge=0, lt=1)) == "in [0, 1)"
     assert str(Range(ge=1)) == ">= 1" and str(Range(gt=0.5)) == "> 0.5"
     assert 1 in Range(gt=0, le=1) and 0 not in Range(gt=0, le=1) and math.nan not in Range(ge=0)
+    assert math.inf not in Range(gt=0) and -math.inf not in Range(le=1) and 10**400 in Range(ge=1)

@@ -32,7 +32,7 @@ def tiny_qwen2(tmp_path_factory) -> Path:
                               num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2, vocab_size=2048)
 
 
-def _run(command: str, model: Path, out: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
+def _run(command: str, model: Path | str, out: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
     return run_cli(
         command, str(ROOT / "recipes/smoke/cpu.yaml"),
         f"model.path={model}", f"trainer.output_dir={out}", f"trainer.experiment_name={name}",
@@ -41,7 +41,7 @@ def _run(command: str, model: Path, out: Path, name: str, *extra: str) -> subpro
     )
 
 
-def test_train_two_iterations_and_resume(tiny_qwen2, tmp_path):
+def test_train_two_iterations_and_resume(tiny_qwen2, tmp_path, monkeypatch):
     _run("train", tiny_qwen2, tmp_path, "full", "trainer.val_every=2")
     run = tmp_path / "full"
     records = read_metrics(run)
@@ -92,9 +92,17 @@ def test_train_two_iterations_and_resume(tiny_qwen2, tmp_path):
     for key in ("actor/pg_loss", "actor/loss", "episode/return_mean", "weight_sync/checksum_fp"):
         assert again[1][key] == second[key], (key, again[1][key], second[key])
 
-    # Evaluation of the latest checkpoint: greedy, one rollout per validation task.
-    proc = _run("eval", tiny_qwen2, tmp_path, "resumed", "--checkpoint", str(resumed / "checkpoints"))
+    # Evaluation of the latest checkpoint: greedy, one rollout per validation task. The model is named by a hub id
+    # found in an offline Hugging Face cache (the same files as a download): the actor ranks, the engine and the
+    # tokenizer load its snapshot directory, resolved once by the command line.
+    from tiny_models import add_to_hub_cache
+
+    snapshot = add_to_hub_cache(tmp_path / "hf-cache", "TinyOrg/Tiny-Qwen2", tiny_qwen2, "c" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    proc = _run("eval", "TinyOrg/Tiny-Qwen2", tmp_path, "resumed", "--checkpoint", str(resumed / "checkpoints"))
     assert "val/episode/sokoban/success_rate" in proc.stdout, proc.stdout
+    assert f"model.path TinyOrg/Tiny-Qwen2 (revision main): {snapshot}" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_iteration_without_rows_skips_the_update(tiny_qwen2, tmp_path):
