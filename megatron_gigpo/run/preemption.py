@@ -49,7 +49,8 @@ class StoppedBySignal(Exception):
 
     def __init__(self, signal_name: str, stage: str, done: int, checkpoint: Path | None) -> None:
         self.signal_name, self.stage, self.done, self.checkpoint = signal_name, stage, done, checkpoint
-        where = f"checkpoint {checkpoint}" if checkpoint is not None else "nothing to checkpoint"
+        where = (f"checkpoint {checkpoint}" if checkpoint is not None else
+                 "the finished episodes are kept" if stage == "demos" else "nothing to checkpoint yet")
         unit = {"train": "iteration", "sft": "SFT step"}.get(stage)
         after = f" after {unit} {done}" if unit else ""
         super().__init__(f"stopped by {signal_name} ({stage}){after}: {where}; run the same command again to "

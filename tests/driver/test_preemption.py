@@ -65,7 +65,8 @@ def test_stopped_by_signal_names_the_checkpoint_and_the_exit_code(tmp_path):
     exc = StoppedBySignal("SIGUSR1", "train", 7, tmp_path / "iter_00000007")
     assert str(exc) == (f"stopped by SIGUSR1 (train) after iteration 7: checkpoint {tmp_path}/iter_00000007; "
                         f"run the same command again to resume (exit code {RESUME_EXIT_CODE})")
-    assert "nothing to checkpoint" in str(StoppedBySignal("SIGTERM", "train", 0, None))
+    assert "nothing to checkpoint yet" in str(StoppedBySignal("SIGTERM", "train", 0, None))
+    assert "the finished episodes are kept" in str(StoppedBySignal("SIGTERM", "demos", 0, None))
 
 
 def test_the_sbatch_script_requeues_on_the_same_exit_code():

@@ -132,7 +132,9 @@ def start_requeued_now(job_id: str, timeout_s: float) -> None:
             return
         time.sleep(0.5)
     subprocess.run(["scancel", job_id], timeout=30, check=False)
-    pytest.fail(f"job {job_id} was not requeued within {timeout_s:.0f}s: {fields}")
+    state = (fields or {}).get("JobState", "unknown to Slurm")
+    pytest.fail(f"job {job_id} was not requeued (state {state}, exit code {(fields or {}).get('ExitCode')}; waited up "
+                f"to {timeout_s:.0f}s)")
 
 
 def job_paths(job_id: str) -> list[Path]:
