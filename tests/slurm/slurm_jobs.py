@@ -119,8 +119,8 @@ def wait_metrics_step(job_id: str, out_dir: Path, run_dir: Path, step: int, time
 
 def start_requeued_now(job_id: str, timeout_s: float) -> None:
     """Once the job was requeued (pending again, Restarts >= 1), let it start at once: Slurm holds a requeued job
-    back for its credential lifetime + 1 s (cred_expire: 121 s by default; `scontrol update StartTime=now` lifts it). Fails the test when
-    the job is not requeued within ``timeout_s``."""
+    back for its credential lifetime + 1 s (cred_expire: 121 s by default), and `scontrol update StartTime=now`
+    lifts that. Fails the test when the job is not requeued within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     fields: dict[str, str] | None = {}
     while time.monotonic() < deadline:
