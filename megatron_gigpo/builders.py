@@ -72,9 +72,11 @@ def start_ray(cfg: Config, stack: contextlib.ExitStack, *, check_env: bool = Tru
         PreflightError: the recipe cannot run here.
     """
     from megatron_gigpo.cluster.preflight import preflight
+    from megatron_gigpo.run import preemption
 
     resources = init_ray(cfg)
     stack.callback(_shutdown_ray)
+    preemption.reinstall()  # ray.init replaced the stop-signal handler of `train` / `sft` with its own
     preflight(cfg, resources if "RAY_ADDRESS" in os.environ else None, check_env=check_env)
     return resources
 
@@ -222,6 +224,7 @@ class RunContext(StartedStack):
         self.run_dir = cfg.run_dir
         self.ckpt_root = cfg.checkpoint_root
         self.start_iteration = 0
+        self.saved_iteration = 0  # the newest checkpoint's iteration (0: none)
         self.task_cursor = 0  # position in the training task stream (epoch_order) of the next group
         self.progress = self.bar = None
         self._stack = contextlib.ExitStack()
@@ -289,7 +292,7 @@ class RunContext(StartedStack):
             if self.load_from:
                 raise FileNotFoundError(f"--checkpoint {self.load_from}: no complete checkpoint there")
             return
-        self.start_iteration = int(state["iteration"])
+        self.start_iteration = self.saved_iteration = int(state["iteration"])
         # Checkpoints written before dynamic sampling have no cursor: one round of num_groups per iteration.
         self.task_cursor = int(state.get("task_cursor", self.start_iteration * self.cfg.env.num_groups))
         log.info("resumed from %s at iteration %d", root, self.start_iteration)
@@ -308,21 +311,38 @@ class RunContext(StartedStack):
         self.task_cursor += n
         return [self.train_task_list[i] for i in idx]
 
-    def collect_train_batch(self, iteration: int) -> tuple[Any, dict[str, float]]:
+    def collect_train_batch(self, iteration: int) -> tuple[Any, dict[str, float]] | None:
         """The training batch of 0-based ``iteration`` and its rollout metrics: one collection, or with
         ``algorithm.dynamic_sampling.enabled`` the informative groups of up to ``max_rounds`` generation rounds
-        (:func:`megatron_gigpo.episodes.dynamic_sampling.collect_informative`)."""
-        ds = self.cfg.algorithm.dynamic_sampling
-        if not ds.enabled:
-            return self.collector.collect(self.next_train_tasks(), iteration)
-        from megatron_gigpo.episodes.dynamic_sampling import collect_informative
+        (:func:`megatron_gigpo.episodes.dynamic_sampling.collect_informative`).
 
-        def one_round(k: int):
-            return self.collector.collect(self.next_train_tasks(), iteration, round_index=k)
+        None when a stop signal (:mod:`megatron_gigpo.run.preemption`) came during the rollout: its episodes are
+        abandoned at their next step and the task cursor goes back, so a resumed run draws the same tasks."""
+        from megatron_gigpo.episodes.collector import RolloutStopped
+        from megatron_gigpo.run.preemption import requested
 
-        return collect_informative(one_round, num_groups=self.cfg.env.num_groups, criterion=ds.criterion,
-                                   max_rounds=ds.max_rounds, estimator=self.cfg.algorithm.adv_estimator,
-                                   params=self.cfg.algorithm, iteration=iteration + 1)
+        ds, cursor = self.cfg.algorithm.dynamic_sampling, self.task_cursor
+
+        def one_round(k: int = 0):
+            return self.collector.collect(self.next_train_tasks(), iteration, round_index=k, stop=requested)
+
+        try:
+            if not ds.enabled:
+                collected = one_round()
+            else:
+                from megatron_gigpo.episodes.dynamic_sampling import collect_informative
+
+                collected = collect_informative(one_round, num_groups=self.cfg.env.num_groups, criterion=ds.criterion,
+                                                max_rounds=ds.max_rounds, estimator=self.cfg.algorithm.adv_estimator,
+                                                params=self.cfg.algorithm, iteration=iteration + 1)
+        except RolloutStopped:  # stopped between two steps; otherwise the signal came during the last one
+            collected = None
+        if requested() is None:
+            return collected
+        self.task_cursor = cursor
+        log.warning("%s during the rollout of iteration %d: its episodes are abandoned (the resumed run collects "
+                    "them again)", requested(), iteration + 1)
+        return None
 
     def sync_weights(self, version: int) -> dict[str, float]:
         from megatron_gigpo.cluster.placement import weight_relays
@@ -370,6 +390,22 @@ class RunContext(StartedStack):
         state = {"iteration": iteration, "task_cursor": self.task_cursor}
         self.actors.save_checkpoint(str(self.ckpt_root), iteration, state,
                                     keep_last=self.cfg.checkpoint.keep_last)
+        self.saved_iteration = iteration
+
+    def stop_checkpoint(self, done: int) -> Path | None:
+        """After a stop signal: the checkpoint of the ``done`` completed iterations, written unless it exists
+        (whatever ``checkpoint.save_every`` says); None when no iteration was completed."""
+        from megatron_gigpo.actor.checkpoint_layout import checkpoint_name
+        from megatron_gigpo.run.preemption import requested
+
+        if done == 0:
+            return None
+        if self.saved_iteration != done:
+            start = time.perf_counter()
+            self.save_checkpoint(done)
+            log.warning("checkpoint of iteration %d written in %.1f s after %s", done, time.perf_counter() - start,
+                        requested())
+        return self.ckpt_root / checkpoint_name(done)
 
     @staticmethod
     def advantage_metrics(adv) -> dict[str, float]:

@@ -106,6 +106,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from megatron_gigpo.actor.checkpoint_layout import latest_checkpoint
     from megatron_gigpo.config import load_config
     from megatron_gigpo.driver import train
+    from megatron_gigpo.run.preemption import stop_on_signals
     from megatron_gigpo.sft.cold_start import cold_start
 
     cfg = load_config(args.recipe, args.overrides)
@@ -115,18 +116,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"megatron-gigpo: nothing to train: {found[1]} is iteration {found[0]} and "
               f"trainer.total_iterations={cfg.trainer.total_iterations}; raise it to train further")
         return 0
-    cfg = cold_start(_local_model(cfg))  # sft.enabled: demonstrations and SFT first (each skipped once done)
-    train(cfg)
+    cfg = _local_model(cfg)  # a hub id: its cached (or downloaded) snapshot
+    with stop_on_signals():  # SIGTERM/SIGUSR1: checkpoint, then exit RESUME_EXIT_CODE (main)
+        cfg = cold_start(cfg)  # sft.enabled: demonstrations and SFT first (each skipped once done)
+        train(cfg)
     return 0
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
     from megatron_gigpo.config import load_config
+    from megatron_gigpo.run.preemption import stop_on_signals
     from megatron_gigpo.sft.cold_start import with_sft_data
     from megatron_gigpo.sft.trainer import run_sft
 
     cfg = _local_model(load_config(args.recipe, args.overrides))
-    run_sft(with_sft_data(cfg))  # sft.train_file null: the expert's demonstrations (sft.demos)
+    with stop_on_signals():  # as `train`
+        run_sft(with_sft_data(cfg))  # sft.train_file null: the expert's demonstrations (sft.demos)
     return 0
 
 
@@ -275,6 +280,7 @@ def console_logging() -> None:
 def main(argv: list[str] | None = None) -> int:
     from megatron_gigpo.config import ConfigError
     from megatron_gigpo.cluster.preflight import PreflightError
+    from megatron_gigpo.run.preemption import RESUME_EXIT_CODE, StoppedBySignal
     from megatron_gigpo.sft import SFTDataError
 
     argv = sys.argv[1:] if argv is None else argv
@@ -302,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         # user's to fix: one line.
         print(f"megatron-gigpo: {exc}", file=sys.stderr)
         return 2
+    except StoppedBySignal as exc:  # train / sft after SIGTERM or SIGUSR1: checkpointed, resume me
+        print(f"megatron-gigpo: {exc}", file=sys.stderr, flush=True)
+        return RESUME_EXIT_CODE
 
 
 if __name__ == "__main__":

@@ -22,52 +22,80 @@ def train(cfg: Config) -> dict[str, float]:
 
     Returns the metrics of the last iteration. An iteration without training rows (its episodes all failed,
     or dynamic sampling found no informative group within its round limit) logs its rollout metrics and skips
-    its update and weight sync; it still validates and saves when due, so every validation point exists. Raises
-    PreflightError before starting anything when the machine lacks what the recipe needs.
+    its update and weight sync; it still validates and saves when due, so every validation point exists.
+
+    Inside :func:`megatron_gigpo.run.preemption.stop_on_signals` (``megatron-gigpo train``), a stop signal ends
+    the loop at the next safe point (an iteration whose rollout it interrupts is abandoned, one past its rollout
+    finishes), after a checkpoint of the last completed iteration.
+
+    Raises:
+        PreflightError: before starting anything, when the machine lacks what the recipe needs.
+        StoppedBySignal: a stop signal ended the run early, after its checkpoint; Ray and the ranks are stopped.
     """
-    from megatron_gigpo.actor.batching import update_is_on_policy
-    from megatron_gigpo.algo.advantages import compute_advantages
     from megatron_gigpo.builders import RunContext
+    from megatron_gigpo.run.preemption import StoppedBySignal, requested
 
     with RunContext(cfg) as run:  # preflight, Ray, actor ranks, engines, environment workers, logger
         metrics: dict[str, float] = {}
         for it in range(run.start_iteration, cfg.trainer.total_iterations):
-            timer = run.timer()
-            with timer("rollout"):
-                batch, metrics = run.collect_train_batch(it)
-            if batch.num_rows == 0:  # every episode failed (worker crashes, prompts that cannot fit) or was filtered
-                log.warning("iteration %d: no training rows (%d episodes failed, %d groups filtered by dynamic "
-                            "sampling); no update", it + 1, int(metrics["episode/failed"]),
-                            round(metrics.get("dynamic_sampling/filtered_group_frac", 0.0)
-                                  * cfg.env.num_groups * metrics.get("dynamic_sampling/rounds", 0.0)))
-                metrics |= _validate_and_save(run, timer, it + 1)
-                run.log(metrics | timer.metrics(num_tokens=0), it + 1)
-                continue
-            run.engines.sleep()  # GPU: free the KV cache while the actor computes (no-op on CPU)
-            old_log_probs = None  # on-policy (one optimizer step): the update computes them itself, as verl does
-            if not update_is_on_policy(batch.num_rows, cfg.trainer):
-                with timer("old_log_prob"):
-                    old_log_probs = run.actors.compute_log_probs(batch)
-            ref_log_probs = None
-            if cfg.algorithm.use_kl_loss:
-                with timer("ref_log_prob"):
-                    ref_log_probs = run.actors.compute_log_probs(batch, reference=True)
-            with timer("advantage"):
-                adv = compute_advantages(cfg.algorithm.adv_estimator, batch.advantage_inputs(), cfg.algorithm)
-            with timer("update"):
-                update_metrics, old_log_probs = run.actors.update(batch, adv.advantage, old_log_probs, ref_log_probs)
-                metrics |= update_metrics
-            if cfg.trainer.update_effect_metrics:
-                with timer("update_effect"):
-                    metrics |= run.update_effect(batch, adv.advantage, old_log_probs)
-            with timer("resharding"):
-                metrics |= run.sync_weights(version=it + 1)
-            run.engines.wake_up()
-            metrics |= _validate_and_save(run, timer, it + 1)
-            metrics |= run.advantage_metrics(adv) | run.rollout_actor_gap(batch, old_log_probs)
-            metrics |= timer.metrics(num_tokens=run.num_tokens(batch))
-            run.log(metrics, it + 1)
+            step_metrics = None if requested() else _iteration(run, it)
+            if step_metrics is None:  # a stop signal: `it` iterations are complete
+                checkpoint = run.stop_checkpoint(it)
+                break
+            metrics = step_metrics
+        else:
+            return metrics
+    raise StoppedBySignal(requested(), "train", it, checkpoint)
+
+
+def _iteration(run, it: int) -> dict[str, float] | None:
+    """Iteration ``it`` (0-based): rollout, log-probs, advantages, update, weight sync, validation and checkpoint
+    when due, its metrics logged as step ``it + 1``. None (nothing logged) when a stop signal came during the
+    rollout."""
+    from megatron_gigpo.actor.batching import update_is_on_policy
+    from megatron_gigpo.algo.advantages import compute_advantages
+
+    cfg = run.cfg
+    timer = run.timer()
+    with timer("rollout"):
+        collected = run.collect_train_batch(it)
+    if collected is None:
+        return None
+    batch, metrics = collected
+    if batch.num_rows == 0:  # every episode failed (worker crashes, prompts that cannot fit) or was filtered
+        log.warning("iteration %d: no training rows (%d episodes failed, %d groups filtered by dynamic "
+                    "sampling); no update", it + 1, int(metrics["episode/failed"]),
+                    round(metrics.get("dynamic_sampling/filtered_group_frac", 0.0)
+                          * cfg.env.num_groups * metrics.get("dynamic_sampling/rounds", 0.0)))
+        metrics |= _validate_and_save(run, timer, it + 1)
+        metrics |= timer.metrics(num_tokens=0)
+        run.log(metrics, it + 1)
         return metrics
+    run.engines.sleep()  # GPU: free the KV cache while the actor computes (no-op on CPU)
+    old_log_probs = None  # on-policy (one optimizer step): the update computes them itself, as verl does
+    if not update_is_on_policy(batch.num_rows, cfg.trainer):
+        with timer("old_log_prob"):
+            old_log_probs = run.actors.compute_log_probs(batch)
+    ref_log_probs = None
+    if cfg.algorithm.use_kl_loss:
+        with timer("ref_log_prob"):
+            ref_log_probs = run.actors.compute_log_probs(batch, reference=True)
+    with timer("advantage"):
+        adv = compute_advantages(cfg.algorithm.adv_estimator, batch.advantage_inputs(), cfg.algorithm)
+    with timer("update"):
+        update_metrics, old_log_probs = run.actors.update(batch, adv.advantage, old_log_probs, ref_log_probs)
+        metrics |= update_metrics
+    if cfg.trainer.update_effect_metrics:
+        with timer("update_effect"):
+            metrics |= run.update_effect(batch, adv.advantage, old_log_probs)
+    with timer("resharding"):
+        metrics |= run.sync_weights(version=it + 1)
+    run.engines.wake_up()
+    metrics |= _validate_and_save(run, timer, it + 1)
+    metrics |= run.advantage_metrics(adv) | run.rollout_actor_gap(batch, old_log_probs)
+    metrics |= timer.metrics(num_tokens=run.num_tokens(batch))
+    run.log(metrics, it + 1)
+    return metrics
 
 
 def _validate_and_save(run, timer, iteration: int) -> dict[str, float]:

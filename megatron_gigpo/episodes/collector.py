@@ -27,7 +27,7 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +62,11 @@ log = logging.getLogger(__name__)
 
 class GroupResetMismatchError(RuntimeError):
     """Members of one group did not start from byte-identical observations (broken GiGPO grouping)."""
+
+
+class RolloutStopped(Exception):
+    """:meth:`EpisodeCollector.collect` gave up its episodes because its ``stop`` callable said so (a stop
+    signal, :mod:`megatron_gigpo.run.preemption`): between two environment steps, no call in flight."""
 
 
 def reset_seed(
@@ -320,6 +325,7 @@ class EpisodeCollector:
         group_size: int | None = None,
         sampling: SamplingConfig | None = None,
         round_index: int = 0,
+        stop: Callable[[], object] | None = None,
     ) -> tuple[TrainingBatch, dict[str, float]]:
         """Run one batch of grouped episodes.
 
@@ -334,6 +340,8 @@ class EpisodeCollector:
             round_index: generation round within the iteration (dynamic sampling collects several batches per
                 training iteration); part of the training uids (``it<i>-r<k>-g<g>`` for k > 0, ``it<i>-g<g>``
                 for round 0), reset seeds and sampling seeds, so each round draws fresh episodes.
+            stop: asked before each step (a generation batch and an environment step); a true answer abandons
+                the episodes (:class:`RolloutStopped`).
 
         Returns:
             ``(batch, metrics)``: the rows of every non-failed (trajectory, step), ordered by trajectory then
@@ -348,6 +356,7 @@ class EpisodeCollector:
             GroupResetMismatchError: the members of a group reset to different observations.
             PromptTooLongError: a prompt cannot fit ``max_prompt_length`` even fully truncated, with
                 ``prompt_overflow="error"`` (with ``"end_episode"`` that trajectory ends instead).
+            RolloutStopped: ``stop()`` was true before a step.
         """
         n = self.group_size if group_size is None else group_size
         if n < 1:
@@ -375,6 +384,8 @@ class EpisodeCollector:
             active = [e for e in episodes if e.active]
             if not active:
                 break
+            if stop is not None and (why := stop()):
+                raise RolloutStopped(f"rollout stopped before its step {step + 1} ({why})")
             self._step(active, step_sampling(base_sampling, iteration, step, validation, round_index), stats, timing,
                        overflows)
         self._warn_overflows(overflows, len(episodes))

@@ -45,9 +45,11 @@ def with_sft_data(cfg: Config) -> Config:
         log.info("cold start: reusing the demonstrations in %s", path)
     else:
         from megatron_gigpo.demos.writer import write_demos
+        from megatron_gigpo.run.preemption import stop_at_once
 
         d = cfg.sft.demos
-        stats = write_demos(cfg, path, d.num_episodes, d.epsilon, d.seed, reasoning=d.reasoning)
+        with stop_at_once("demos"):  # a stop signal: finished episodes stay in the partial file for a re-run
+            stats = write_demos(cfg, path, d.num_episodes, d.epsilon, d.seed, reasoning=d.reasoning)
         log.info("cold start: %d demonstration rows of %d %s episodes (expert success %.3f, random share %.3f) "
                  "in %s", stats.rows, stats.episodes, cfg.env.name, stats.success_rate, stats.random_share, path)
     return dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, train_file=str(path)))

@@ -117,6 +117,7 @@ class SFTTrainer(StartedStack):
         self.out = sft_dir(cfg)
         self.ckpt_root = self.out / "checkpoints"
         self.start_step = 0
+        self.saved_step = 0  # the newest checkpoint's step (0: none)
         self.progress = self.bar = None
         self._last_line = time.monotonic()
         self.skipped_rows = 0
@@ -186,7 +187,7 @@ class SFTTrainer(StartedStack):
                 f"({', '.join(f'{k}: {a} then, {b} now' for k, (a, b) in differ.items())}); use another "
                 "trainer.experiment_name or remove that folder"
             )
-        self.start_step = int(state["step"])
+        self.start_step = self.saved_step = int(state["step"])
         log.info("sft: resumed from %s at step %d of %d", self.ckpt_root, self.start_step, self.total_steps)
 
     def _start_progress(self) -> None:
@@ -210,7 +211,13 @@ class SFTTrainer(StartedStack):
         Returns:
             The last step's metrics, with the last held-out metrics, ``sft/steps`` and
             ``sft/skipped_rows``.
+
+        Raises:
+            StoppedBySignal: a stop signal (:mod:`megatron_gigpo.run.preemption`) came; the current step
+                finished and was checkpointed.
         """
+        from megatron_gigpo.run.preemption import requested
+
         s = self.cfg.sft
         last: dict[str, float] = {}
         if self.start_step == 0:
@@ -218,6 +225,8 @@ class SFTTrainer(StartedStack):
             if last:
                 self._log(last, 0)
         for step in range(self.start_step, self.total_steps):
+            if requested():
+                self._stop(step)
             epoch, index = divmod(step, self.steps_per_epoch)
             batch = epoch_batches(self.train_rows.num_rows, s.batch_size, s.seed, epoch)[index]
             metrics = self._train_step(self.train_rows.select(batch)) | {"sft/epoch": float(epoch + 1)}
@@ -227,12 +236,26 @@ class SFTTrainer(StartedStack):
             last = {k: v for k, v in last.items() if k.startswith("val/")} | metrics
             self._log(metrics, step + 1)
             if end_of_epoch or (s.save_every and (step + 1) % s.save_every == 0):
-                self.actors.save_checkpoint(str(self.ckpt_root), step + 1, {"step": step + 1, "plan": self.plan},
-                                            keep_last=self.cfg.checkpoint.keep_last)
+                self._save(step + 1)
         hf = self.out / HF_SUBDIR
         self.actors.call_all("save_hf_model", str(hf))
         self._print(f"sft: done, {self.total_steps} steps; model for RL: model.path={hf}")
         return last | {"sft/steps": float(self.total_steps), "sft/skipped_rows": float(self.skipped_rows)}
+
+    def _save(self, step: int) -> None:
+        self.actors.save_checkpoint(str(self.ckpt_root), step, {"step": step, "plan": self.plan},
+                                    keep_last=self.cfg.checkpoint.keep_last)
+        self.saved_step = step
+
+    def _stop(self, done: int) -> None:
+        """After a stop signal: checkpoint ``done`` steps (unless saved) and raise StoppedBySignal."""
+        from megatron_gigpo.actor.checkpoint_layout import checkpoint_name
+        from megatron_gigpo.run.preemption import StoppedBySignal, requested
+
+        if done and self.saved_step != done:
+            self._save(done)
+        self._print(f"sft: {requested()}: stopping after step {done} of {self.total_steps}")
+        raise StoppedBySignal(requested(), "sft", done, self.ckpt_root / checkpoint_name(done) if done else None)
 
     def _log(self, metrics: dict[str, float], step: int) -> None:
         self.logger.log(metrics | {"sft/skipped_rows": float(self.skipped_rows)}, step)

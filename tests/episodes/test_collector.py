@@ -16,7 +16,7 @@ import torch
 from megatron_gigpo.algo.advantages import compute_advantages
 from megatron_gigpo.config import AlgorithmConfig
 from megatron_gigpo.envs.sokoban import TASK_DESCRIPTION, SokobanEnv, load_tasks
-from megatron_gigpo.episodes.collector import EpisodeCollector, GroupResetMismatchError, reset_seed
+from megatron_gigpo.episodes.collector import EpisodeCollector, GroupResetMismatchError, RolloutStopped, reset_seed
 from megatron_gigpo.episodes.prompts import TRUNCATION_MARKER, PromptRenderer, PromptTooLongError, get_prompt_template
 
 pytestmark = pytest.mark.integration
@@ -262,3 +262,12 @@ def test_bad_configuration_is_named(tiny_tokenizer, engine_group):
     with _collector(tiny_tokenizer, engine_group, num_workers=1) as collector:
         with pytest.raises(ValueError, match="got 1 tasks for a training batch of num_groups=2"):
             collector.collect(load_tasks("train", 1), iteration=0)
+
+
+def test_a_stop_request_abandons_the_episodes_between_two_steps(tiny_tokenizer, engine_group):
+    """The driver passes megatron_gigpo.run.preemption.requested as ``stop``: asked before every step (between a
+    finished environment step and the next generation batch), a true answer gives the episodes up there."""
+    answers = iter([None, "SIGTERM"])
+    with _collector(tiny_tokenizer, engine_group, num_workers=1) as collector:
+        with pytest.raises(RolloutStopped, match=r"stopped before its step 2 \(SIGTERM\)"):
+            collector.collect(load_tasks("train", 2), iteration=0, stop=lambda: next(answers))

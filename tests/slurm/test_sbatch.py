@@ -1,14 +1,16 @@
 """slurm/train.sbatch on a real Slurm cluster (scripts/slurm_up.sh): Ray on Slurm, then the driver.
 
 The Ray-on-Slurm tests replace the driver with tests/slurm/ray_probe.py (MEGATRON_GIGPO_DRIVER), which reports
-the cluster it sees; the last test runs the real CPU smoke recipe for one iteration. Every job runs with Ray
-token authentication (one token per job) unless a test opts out.
+the cluster it sees; the last test runs the real CPU smoke recipe, stops it with the time limit's signal and
+checks that the requeued job resumes. Every job runs with Ray token authentication (one token per job) unless a
+test opts out.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -18,9 +20,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from megatron_gigpo.actor.checkpoint_layout import complete_checkpoints
 from megatron_gigpo.run.metrics import read_metrics
 from slurm_jobs import (
-    REPO, JobResult, job_paths, remove_ray_dirs, submit, wait_job, wait_no_ray_processes, wait_output_line,
+    REPO, JobResult, job_paths, remove_ray_dirs, start_requeued_now, submit, wait_job, wait_metrics_step,
+    wait_no_ray_processes, wait_output_line,
 )
 
 pytestmark = pytest.mark.integration
@@ -299,22 +303,47 @@ def test_contradicting_ray_auth_mode_fails_before_ray_starts(slurm_cluster, tmp_
 
 
 @pytest.mark.slow
-def test_cpu_smoke_recipe_trains_one_iteration_through_sbatch(slurm_cluster, tmp_path):
+def test_cpu_smoke_recipe_stopped_mid_iteration_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
+    """The real smoke recipe through sbatch --requeue, three iterations. Once step 1 is logged (iteration 2 has
+    begun), the batch shell gets SIGTERM alone, as `sbatch --signal=B:TERM@T` sends it T seconds before the time
+    limit (`scancel --batch --signal=TERM`). The driver abandons iteration 2's rollout (or, if the signal comes
+    after it, finishes the iteration), checkpoints the last completed iteration K, exits 75; the script stops Ray
+    and requeues the job; attempt 2 appends to the same output file, resumes from K and finishes. Each step is
+    logged once."""
     run_dir = tmp_path / "run"
-    # One iteration of one-step episodes with short replies: the plumbing of a pretrained model, not its answers.
-    args = [RECIPE, "trainer.total_iterations=1", f"trainer.output_dir={run_dir}", "env.max_steps=1",
-            "rollout.response_length=48"]
-    job_id = submit(["--partition=debug"], args, tmp_path, {})
-    result = wait_job(job_id, tmp_path, timeout_s=1800)
+    run = run_dir / "smoke-cpu"
+    # One-step episodes with short replies: the plumbing of a pretrained model, not its answers. save_every=5:
+    # the only checkpoints are the stop's and the last iteration's.
+    args = [RECIPE, "trainer.total_iterations=3", f"trainer.output_dir={run_dir}", "env.max_steps=1",
+            "rollout.response_length=48", "checkpoint.save_every=5"]
+    job_id = submit(["--partition=debug", "--requeue"], args, tmp_path, {})
     try:
+        wait_metrics_step(job_id, tmp_path, run, 1, timeout_s=1500)
+        subprocess.run(["scancel", "--batch", "--signal=TERM", job_id], timeout=30, check=True)
+        start_requeued_now(job_id, timeout_s=600)
+        result = wait_job(job_id, tmp_path, timeout_s=1500)
+        out = result.output
         assert (result.state, result.exit_code) == ("COMPLETED", 0), result.describe()
-        assert "driver exited with 0" in result.output, result.describe()
-        assert "Ray token authentication on" in result.output, result.describe()
+        first, _, second = out.partition(f"job {job_id}: attempt 2 (SLURM_RESTART_COUNT=1)")
+        assert f"job {job_id}: attempt 1 (SLURM_RESTART_COUNT=0)" in first and second, result.describe()
+        stop = re.search(r"stopped by SIGTERM \(train\) after iteration (\d+): checkpoint (\S+);", first)
+        assert stop, result.describe()
+        done = int(stop.group(1))
+        assert done in (1, 2) and Path(stop.group(2)) == run / "checkpoints" / f"iter_{done:08d}", result.describe()
+        if done == 1:
+            assert "SIGTERM during the rollout of iteration 2: its episodes are abandoned" in first, result.describe()
+        assert "SIGTERM: passed on to the driver" in first and "driver exited with 75" in first, result.describe()
+        assert f"requeueing job {job_id}; attempt 2 resumes from the checkpoint" in first, result.describe()
+        assert f"resumed from {run / 'checkpoints'} at iteration {done}" in second, result.describe()
+        assert "driver exited with 0" in second and "Ray token authentication on" in second, result.describe()
+        # Each step exactly once in the file itself (read_metrics would hide a duplicate), none set aside.
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in lines] == [1, 2, 3], lines
+        assert not (run / "previous_attempts").exists()
+        for record in read_metrics(run):
+            assert record["rollout/actor_logprob_diff_max"] < 1e-3, record
+        assert [i for i, _ in complete_checkpoints(run / "checkpoints")] == [done, 3]
         assert wait_no_ray_processes(job_id) == []
         assert not job_paths(job_id), "Ray dirs and the token are removed after success"
-        records = read_metrics(run_dir / "smoke-cpu")
-        assert [r["step"] for r in records] == [1]
-        assert records[0]["rollout/actor_logprob_diff_max"] < 1e-3
-        assert (run_dir / "smoke-cpu" / "checkpoints").is_dir()
     finally:
         remove_ray_dirs(job_id)
