@@ -83,8 +83,9 @@ def start_ray(cfg: Config, stack: contextlib.ExitStack, *, check_env: bool = Tru
 
 def actor_config(cfg: Config, model_dir: str | Path):
     """The RL actor of recipe ``cfg`` with its model at ``model_dir`` (the resolved ``model.path``): an
-    :class:`~megatron_gigpo.actor.config.ActorConfig` holding the recipe's ``parallel``, ``optim``, ``algorithm``
-    (as the loss), ``trainer`` and ``model.lora`` sections whole, in ``model.params_dtype(trainer.device)``."""
+    :class:`~megatron_gigpo.actor.config.ActorConfig` holding the recipe's ``parallel``, ``actor`` (as the
+    recompute settings), ``optim``, ``algorithm`` (as the loss), ``trainer`` and ``model.lora`` sections whole, in
+    ``model.params_dtype(trainer.device)``."""
     from megatron_gigpo.actor.config import ActorConfig
 
     return ActorConfig(
@@ -92,7 +93,8 @@ def actor_config(cfg: Config, model_dir: str | Path):
         params_dtype=cfg.model.params_dtype(cfg.trainer.device),
         temperature=cfg.rollout.temperature,
         lr_decay_steps=max(1, cfg.trainer.total_iterations),
-        parallel=cfg.parallel, optim=cfg.optim, loss=cfg.algorithm, trainer=cfg.trainer, lora=cfg.model.lora,
+        parallel=cfg.parallel, recompute=cfg.actor, optim=cfg.optim, loss=cfg.algorithm, trainer=cfg.trainer,
+        lora=cfg.model.lora,
     )
 
 

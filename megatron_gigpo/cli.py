@@ -19,9 +19,11 @@ DEFAULT_GPU_MEMORY_GIB = 80.0
 def _cmd_validate(args: argparse.Namespace) -> int:
     from megatron_gigpo.config import load_config
 
-    if args.gpu_memory_gib is not None and not args.plan:
-        print("megatron-gigpo validate: --gpu-memory-gib is only read with --plan", file=sys.stderr)
-        return 2
+    for given, option in ((args.gpu_memory_gib is not None, "--gpu-memory-gib"),
+                          (args.allow_over_memory, "--allow-over-memory")):
+        if given and not args.plan:
+            print(f"megatron-gigpo validate: {option} is only read with --plan", file=sys.stderr)
+            return 2
     if (args.nodes is None) != (args.gpus_per_node is None):
         print("megatron-gigpo validate: --nodes and --gpus-per-node go together (the job's allocation)",
               file=sys.stderr)
@@ -44,32 +46,40 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         f"{r.num_engines} engine(s) x TP{r.tensor_parallel_size}, {cfg.env.num_groups} groups x {r.n} rollouts"
     )
     if args.plan:
-        _print_plan(cfg, DEFAULT_GPU_MEMORY_GIB if args.gpu_memory_gib is None else args.gpu_memory_gib)
+        refusal = _print_plan(cfg, DEFAULT_GPU_MEMORY_GIB if args.gpu_memory_gib is None else args.gpu_memory_gib)
+        if refusal and not args.allow_over_memory:
+            print(f"megatron-gigpo validate: does not fit: {refusal}; or pass --allow-over-memory", file=sys.stderr)
+            return 2
+        if refusal:
+            print(f"megatron-gigpo validate: --allow-over-memory: going on although {refusal.split(';')[0]}")
     return 0
 
 
-def _print_plan(cfg, gpu_memory_gib: float) -> None:
-    """The placement plan (megatron_gigpo.cluster.placement) and, on GPU, its per-GPU memory estimate."""
-    from megatron_gigpo.cluster.memory import estimate_memory, format_memory, policy_hf_config
+def _print_plan(cfg, gpu_memory_gib: float) -> str | None:
+    """Print the placement plan (megatron_gigpo.cluster.placement) and, on GPU, its per-GPU memory estimate;
+    return the estimate's refusal (:func:`megatron_gigpo.cluster.memory.memory_refusal`), None if it fits or
+    there is no estimate."""
+    from megatron_gigpo.cluster.memory import estimate_memory, format_memory, memory_refusal, policy_hf_config
     from megatron_gigpo.cluster.placement import format_plan, plan_placement
 
     plan = plan_placement(cfg)
     print(format_plan(plan))
     if plan.cluster.device != "cuda":
         print("memory: trainer.device=cpu, no GPU estimate")
-        return
+        return None
     hf = policy_hf_config(cfg)
     if hf is None:
         print(f"memory: no estimate, the architecture of model.path '{cfg.model.path}' is unknown")
-        return
+        return None
     from megatron_gigpo.models.mapping import UnsupportedModelError
 
     try:
         rows = estimate_memory(cfg, plan, hf, gpu_memory_gib)
     except UnsupportedModelError as exc:  # the family's mapping states its q/k/v biases: none, no estimate
         print(f"memory: no estimate for model.path '{cfg.model.path}': {exc}")
-        return
+        return None
     print(format_memory(rows, gpu_memory_gib))
+    return memory_refusal(rows, gpu_memory_gib)
 
 
 def _count(least: int):
@@ -224,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     va = recipe_cmd("validate", "check a recipe without starting anything")
     va.add_argument("--preflight", action="store_true", help="also check data directories, devices and services")
     va.add_argument("--plan", action="store_true",
-                    help="print the placement plan (bundles, ranks, engines, GPU count) and a per-GPU memory estimate")
+                    help="print the placement plan (bundles, ranks, engines, GPU count) and a per-GPU memory estimate; "
+                         "exit 2 when a GPU does not fit")
     va.add_argument("--gpu-memory-gib", type=_gib, default=None,
                     help=f"GPU memory for the --plan estimate (GiB, default {DEFAULT_GPU_MEMORY_GIB:g}); only with --plan")
     va.add_argument("--nodes", type=_count(1), default=None,
@@ -233,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "this machine's GPUs)")
     va.add_argument("--gpus-per-node", type=_count(0), default=None,
                     help="the job's GPUs per node (sbatch --gpus-per-node); only with --nodes")
+    va.add_argument("--allow-over-memory", action="store_true",
+                    help="with --plan: exit 0 although a GPU's estimated peak exceeds its memory (default: exit 2)")
     va.set_defaults(func=_cmd_validate)
     de = recipe_cmd("demos", "write expert demonstrations (chat JSONL) for a supervised cold start")
     de.add_argument("--out", required=True, help="JSONL file to write; finished episodes go to OUT.partial first "

@@ -141,7 +141,7 @@ def field_errors(obj: Any) -> list[str]:
         if allowed is not None and isinstance(value, list):
             errors += [f"{key}[{i}]={v!r} is not one of {', '.join(allowed)}" for i, v in enumerate(value)
                        if v not in allowed]
-        elif allowed is not None and value not in allowed:
+        elif allowed is not None and value is not None and value not in allowed:  # null: the field's type says
             errors.append(f"{key}={value!r} is not one of {', '.join(allowed)}")
         if rng is None or value is None:
             continue

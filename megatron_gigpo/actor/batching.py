@@ -195,6 +195,7 @@ def build_micro_batch(
     *,
     packed: bool,
     pad_token_id: int = 0,
+    pad_to_multiple: int = 1,
 ) -> MicroBatch:
     """Model inputs for ``rows`` (indices into ``prompt_ids`` / ``response_ids``).
 
@@ -203,6 +204,9 @@ def build_micro_batch(
         prompt_ids, response_ids: per row, int64 (P_i,) with P_i >= 1 and (R_i,) token ids.
         packed: thd layout (one packed sequence) instead of padded (see module docstring).
         pad_token_id: id written into padding (never attended by real tokens, never a label).
+        pad_to_multiple: the sequence dimension (padded: the longest row; packed: the total) is padded to a
+            multiple of this (sequence parallelism splits it over the TP ranks). Packed, the padding is one
+            more sequence of its own after the rows.
 
     Raises:
         ValueError: a row has an empty prompt (the first response token would have no predictor).
@@ -221,17 +225,19 @@ def build_micro_batch(
     if packed:
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        input_ids = torch.cat(seqs).unsqueeze(0)  # (1, T)
-        position_ids = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
+        extra = -sum(lens) % pad_to_multiple
+        pieces = lens + ([extra] if extra else [])
+        input_ids = torch.cat(seqs + [torch.full((extra,), pad_token_id, dtype=torch.long)]).unsqueeze(0)  # (1, T)
+        position_ids = torch.cat([torch.arange(n) for n in pieces]).unsqueeze(0)
         starts = torch.tensor([0] + lens).cumsum(0)
-        cu = starts.to(torch.int32)
+        cu = torch.tensor([0] + pieces).cumsum(0).to(torch.int32)
         packed_params = PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens), max_seqlen_kv=max(lens)
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(pieces), max_seqlen_kv=max(pieces)
         )
         # decoder output (T, 1, H): flat index = packed position
         index = [starts[b] + prompt_lens[b] - 1 + torch.arange(resp_lens[b]) for b in range(len(rows))]
     else:
-        batch, seq = len(rows), max(lens)
+        batch, seq = len(rows), -(-max(lens) // pad_to_multiple) * pad_to_multiple
         input_ids = torch.full((batch, seq), pad_token_id, dtype=torch.long)
         for b, s in enumerate(seqs):
             input_ids[b, : s.numel()] = s

@@ -25,9 +25,12 @@ from megatron_gigpo.run.config import TrainerConfig
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LR_DECAY_STYLES", "ParallelConfig", "OptimConfig", "ActorConfig"]
+__all__ = ["LR_DECAY_STYLES", "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "ParallelConfig", "RecomputeConfig",
+           "OptimConfig", "ActorConfig", "model_layout_errors"]
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")  # Megatron OptimizerParamScheduler styles used here
+RECOMPUTE_GRANULARITIES = ("selective", "full")  # megatron-core TransformerConfig.recompute_granularity (or null)
+RECOMPUTE_METHODS = ("uniform", "block")  # TransformerConfig.recompute_method (full granularity only)
 
 
 @dataclass
@@ -42,6 +45,66 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = num(1, ge=1)
     data_parallel_size: int | None = num(1, ge=1, auto=True)
     use_distributed_optimizer: bool = False
+    # Megatron's sequence parallelism (Korthikanti et al. 2022): the norms, residuals and the layer inputs the
+    # linear layers keep for backward are split over the TP ranks along the sequence (activations of those parts
+    # / TP). Needs tensor_model_parallel_size > 1; not with LoRA adapters.
+    sequence_parallel: bool = False
+
+
+@dataclass
+class RecomputeConfig:
+    """The recipe's ``actor`` section: activation recomputation of the actor's Megatron model, passed as is to
+    megatron-core's ``TransformerConfig`` (the same names and rules; :func:`model_layout_errors`).
+
+    ``recompute_granularity``: null keeps every activation; ``selective`` recomputes the core attention in backward
+    (Megatron's default ``recompute_modules: [core_attn]``: the softmax probabilities, the s x s term; nothing to
+    gain with Transformer-Engine's fused attention, which keeps none); ``full`` keeps only the input of each group
+    of layers and recomputes the layers in backward (about one more forward pass of compute).
+    ``recompute_method`` (full only): ``uniform`` splits the layers of a pipeline stage into groups of
+    ``recompute_num_layers`` and keeps each group's input; ``block`` recomputes the first ``recompute_num_layers``
+    layers of each stage and keeps the rest whole. Activations per GPU: :mod:`megatron_gigpo.cluster.activations`.
+    """
+
+    recompute_granularity: str | None = choice(None, RECOMPUTE_GRANULARITIES)
+    recompute_method: str | None = choice(None, RECOMPUTE_METHODS)
+    recompute_num_layers: int | None = num(None, ge=1)  # full: 1 .. layers per pipeline stage
+
+
+def model_layout_errors(parallel: ParallelConfig, recompute: RecomputeConfig, *, lora_keys: tuple[str, ...] = (),
+                        layers_per_stage: int | None = None, recompute_key: str = "actor") -> list[str]:
+    """The rules megatron-core 0.16 (``TransformerConfig.__post_init__``, ``ModelParallelConfig``) and the actor
+    set on ``parallel.sequence_parallel`` and ``recompute``, as messages naming the keys (empty: valid).
+
+    Args:
+        lora_keys: the LoRA sections that are enabled (``("model.lora",)``): their adapters do not support
+            sequence parallelism (:mod:`megatron_gigpo.actor.lora`).
+        layers_per_stage: decoder layers per pipeline stage, when known (upper bound of recompute_num_layers).
+        recompute_key: the section the recompute settings are read from, for the messages.
+    """
+    errors = []
+    if parallel.sequence_parallel and parallel.tensor_model_parallel_size < 2:
+        errors.append(f"parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1 "
+                      f"(got {parallel.tensor_model_parallel_size}): it splits the tensor-parallel ranks' activations")
+    if parallel.sequence_parallel:
+        errors += [f"parallel.sequence_parallel=true is not supported with {key}.enabled=true (LoRA adapters)"
+                   for key in lora_keys]
+    r, k = recompute, recompute_key
+    if r.recompute_granularity == "full":
+        if r.recompute_method is None:
+            errors.append(f"{k}.recompute_granularity=full needs {k}.recompute_method "
+                          f"({' or '.join(RECOMPUTE_METHODS)})")
+        if r.recompute_num_layers is None:
+            errors.append(f"{k}.recompute_granularity=full needs {k}.recompute_num_layers (layers per recomputed "
+                          f"group, uniform; or recomputed layers per pipeline stage, block)")
+        elif layers_per_stage is not None and r.recompute_num_layers > layers_per_stage:
+            errors.append(f"{k}.recompute_num_layers={r.recompute_num_layers} must be at most the "
+                          f"{layers_per_stage} layers of a pipeline stage")
+    else:
+        for name in ("recompute_method", "recompute_num_layers"):
+            if getattr(r, name) is not None:
+                errors.append(f"{k}.{name}={getattr(r, name)!r} is only read with {k}.recompute_granularity=full "
+                              f"(got {r.recompute_granularity!r}); set it to null")
+    return errors
 
 
 @dataclass
@@ -73,7 +136,9 @@ class ActorConfig:
         lr_decay_steps: the update (counted from the start, warmup included) at which the LR has decayed to
             ``optim.min_lr`` (RL: ``trainer.total_iterations``; SFT: its optimizer steps). Megatron needs it
             above ``optim.lr_warmup_steps``; the actor raises it to ``lr_warmup_steps + 1`` if not.
-        parallel: the recipe's ``parallel`` (TP, PP, distributed optimizer; the rest of the world is DP).
+        parallel: the recipe's ``parallel`` (TP, PP, distributed optimizer, sequence parallelism; the rest of
+            the world is DP).
+        recompute: the recipe's ``actor`` section (activation recomputation, Megatron's settings).
         optim: the recipe's ``optim`` (Adam and LR schedule; ``lr_warmup_steps`` counts updates).
         loss: the recipe's ``algorithm`` (policy loss, clip ratios, KL, entropy, loss aggregation).
         trainer: the recipe's ``trainer`` (``ppo_mini_batch_size``, ``ppo_epochs``, ``micro_batch_tokens``,
@@ -88,6 +153,7 @@ class ActorConfig:
     temperature: float
     lr_decay_steps: int
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -127,8 +193,10 @@ class ActorConfig:
         Raises:
             ValueError: naming every bad field and its value (``ActorConfig: loss.clip_ratio_c=0.5 must be > 1``).
         """
-        errors = [f"{name}.{message}" for name in ("parallel", "optim", "loss", "trainer", "lora")
+        errors = [f"{name}.{message}" for name in ("parallel", "recompute", "optim", "loss", "trainer", "lora")
                   for message in field_errors(getattr(self, name))]
+        errors += model_layout_errors(self.parallel, self.recompute, lora_keys=("lora",) if self.lora.enabled else (),
+                                      recompute_key="recompute")
         if self.params_dtype not in PARAMS_DTYPES:
             errors.append(f"params_dtype={self.params_dtype!r} is not one of {', '.join(PARAMS_DTYPES)}")
         if not self.temperature > 0:
@@ -152,6 +220,18 @@ class ActorConfig:
                 f"data-parallel size {dp}; every data-parallel rank needs at least one row"
             )
 
+    def transformer_overrides(self) -> dict:
+        """The megatron-core ``TransformerConfig`` fields these settings set on the actor's model (policy and
+        reference): ``sequence_parallel`` and the three ``recompute_*`` fields, under Megatron's own names."""
+        return {"sequence_parallel": self.parallel.sequence_parallel,
+                **{f.name: getattr(self.recompute, f.name) for f in dataclasses.fields(self.recompute)}}
+
+    @property
+    def sequence_multiple(self) -> int:
+        """Micro-batches' sequence length is padded to a multiple of this: the TP size with sequence
+        parallelism (Megatron splits the sequence over the TP ranks), else 1."""
+        return self.parallel.tensor_model_parallel_size if self.parallel.sequence_parallel else 1
+
     def replace(self, **sections: dict) -> "ActorConfig":
         """A copy with some fields of some sections changed: ``replace(optim={"lr": 1e-3}, trainer={...})``;
         a non-dict value replaces a top-level field (``replace(temperature=1.0)``)."""
@@ -160,4 +240,5 @@ class ActorConfig:
         return dataclasses.replace(self, **changes)
 
 
-_SECTIONS = {"parallel": ParallelConfig, "optim": OptimConfig, "loss": AlgorithmConfig, "trainer": TrainerConfig}
+_SECTIONS = {"parallel": ParallelConfig, "recompute": RecomputeConfig, "optim": OptimConfig, "loss": AlgorithmConfig,
+             "trainer": TrainerConfig}

@@ -39,6 +39,10 @@ What ``enable()`` changes (call sites are megatron-core 0.16.1, ``megatron/core/
      optimizer.py and layer_wise_optimizer.py imported them by name
    - ``models.common.language_module.language_module.LanguageModule.setup_embeddings_and_output_layer``
      (language_module.py:244, ``weight.data.cuda()`` before the tied-embedding all-reduce when PP > 1)
+   - ``transformer.utils.get_default_causal_mask`` / ``get_sliding_window_causal_mask`` (utils.py:35-40,
+     device="cuda"; rebound in fusions/fused_softmax.py): run again in the backward pass when activations are
+     recomputed (``recompute_granularity``), where the schedules' scope is not active (a mode is off while its own
+     handler runs, and the mode intercepts ``torch.autograd.backward``), so they get a scope of their own
    - ``pipeline_parallel.schedules.forward_backward_no_pipelining`` /
      ``forward_backward_pipelining_without_interleaving`` / ``..._with_interleaving``
      (schedules.py:596,983,2138, device="cuda" for ``total_num_tokens``); device rewrite only, the model's
@@ -59,7 +63,7 @@ import logging
 from typing import Any, Callable
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 __all__ = ["enable", "is_enabled", "cpu_device_scope"]
 
@@ -103,27 +107,25 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-_ACTIVE_SCOPES: list[bool] = []
-
-
 def cpu_device_scope(fn: Callable, *, fake_cuda_type: bool) -> Callable:
     """Wrap ``fn`` so it runs under the CUDA->CPU rewrite (see module docstring, item 4).
 
-    Nested wrapped calls reuse the outer scope; an inner type-faking call still gets type faking.
+    Nested wrapped calls reuse an outer scope that is active on torch's mode stack; an inner type-faking call
+    still gets type faking.
     """
     if getattr(fn, "_megatron_gigpo_cpu_scope", False):
         return fn
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if _ACTIVE_SCOPES and (_ACTIVE_SCOPES[-1] or not fake_cuda_type):
+        # The innermost scope that is really on torch's mode stack: a mode is off while its own handler runs
+        # (e.g. during ``torch.autograd.backward``, which the mode intercepts), so a scope entered before that
+        # handler does not cover what the backward pass calls (activation recomputation).
+        active = [m for m in _get_current_function_mode_stack() if isinstance(m, _CudaToCpuMode)]
+        if active and (active[-1].fake_cuda_type or not fake_cuda_type):
             return fn(*args, **kwargs)
-        _ACTIVE_SCOPES.append(fake_cuda_type)
-        try:
-            with _CudaToCpuMode(fake_cuda_type):
-                return fn(*args, **kwargs)
-        finally:
-            _ACTIVE_SCOPES.pop()
+        with _CudaToCpuMode(fake_cuda_type):
+            return fn(*args, **kwargs)
 
     wrapper._megatron_gigpo_cpu_scope = True
     return wrapper
@@ -159,6 +161,10 @@ _SCOPED_CALLS: tuple[tuple[str, str, bool, tuple[str, ...]], ...] = (
         False,
         (),
     ),
+    # called again in the backward pass when activations are recomputed (recompute_granularity)
+    ("megatron.core.transformer.utils", "get_default_causal_mask", False, ("megatron.core.fusions.fused_softmax",)),
+    ("megatron.core.transformer.utils", "get_sliding_window_causal_mask", False,
+     ("megatron.core.fusions.fused_softmax",)),
     ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining", False, ()),
     (
         "megatron.core.pipeline_parallel.schedules",

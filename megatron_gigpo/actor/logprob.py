@@ -11,7 +11,11 @@ Three layers:
   differentiable version here and test it against Megatron's.
 - :func:`response_log_probs`: applies ``GPTModel.output_layer`` to the decoder's final hidden states at
   response positions only, ``chunk_size`` tokens at a time; with autograd on, every chunk is recomputed in
-  backward (``torch.utils.checkpoint``) so at most one (chunk, V / TP) logits block is alive.
+  backward (``torch.utils.checkpoint``) so at most one (chunk, V / TP) logits block is alive. With sequence
+  parallelism the decoder's output is split along the sequence over the TP ranks: it is gathered first
+  (Megatron's ``gather_from_sequence_parallel_region``, whose backward hands each rank its slice of the
+  gradient) and the output layer runs as without sequence parallelism (its input gradient all-reduced over TP),
+  as ``GPTModel`` itself does for its last-token inference logits.
 - :func:`forward_step_func` / :func:`run_forward_only`: the ``forward_step_func`` for Megatron's pipeline
   schedules (``get_forward_backward_func``) and the forward-only pass over token-budget micro-batches.
 """
@@ -27,7 +31,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
 from megatron.core.utils import unwrap_model
 from torch.utils.checkpoint import checkpoint
 
@@ -134,7 +141,8 @@ def response_log_probs(
 
     Args:
         gpt: the (unwrapped) last-stage ``GPTModel``.
-        hidden: (S, B, H) decoder output after the final norm (see :func:`final_hidden_states`).
+        hidden: (S, B, H) decoder output after the final norm (see :func:`final_hidden_states`); (S / TP, B, H),
+            this rank's slice of the sequence, with ``gpt.config.sequence_parallel``.
         mb: the micro-batch that produced ``hidden``.
         head: chunking / temperature / entropy settings.
 
@@ -142,11 +150,14 @@ def response_log_probs(
         float32 (N,) log-probs and (N,) entropy or None, N = ``mb.num_response_tokens``, in row-major order.
     """
     weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+    if gpt.config.sequence_parallel:  # the whole sequence on every TP rank; backward: each rank's slice
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
     flat = hidden.reshape(-1, hidden.shape[-1])  # (S * B, H)
     selected = flat.index_select(0, mb.hidden_index)  # (N, H)
 
     def chunk_fn(h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits, _ = gpt.output_layer(h.unsqueeze(1), weight=weight, runtime_gather_output=False)
+        with _whole_sequence(gpt.output_layer):  # inside: also while torch.utils.checkpoint recomputes it
+            logits, _ = gpt.output_layer(h.unsqueeze(1), weight=weight, runtime_gather_output=False)
         logits = logits.squeeze(1).float()  # (c, V / TP)
         if head.temperature != 1.0:
             logits = logits / head.temperature
@@ -176,6 +187,18 @@ def response_log_probs(
     log_probs = torch.cat(log_prob_chunks)
     entropy = torch.cat(entropy_chunks) if head.with_entropy else None
     return log_probs, entropy
+
+
+@contextlib.contextmanager
+def _whole_sequence(output_layer: torch.nn.Module) -> Iterator[None]:
+    """Run Megatron's ``ColumnParallelLinear`` on an input that every TP rank holds whole (its sequence-parallel
+    mode would all-gather the input along the sequence): the input gradient is then all-reduced over TP."""
+    saved = output_layer.sequence_parallel
+    output_layer.sequence_parallel = False
+    try:
+        yield
+    finally:
+        output_layer.sequence_parallel = saved
 
 
 @contextlib.contextmanager

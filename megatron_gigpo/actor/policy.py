@@ -90,7 +90,7 @@ class PolicyActor:
 
     # ------------------------------------------------------------------ construction
     def _build_model(self) -> torch.nn.Module:
-        overrides = {}
+        overrides = self.config.transformer_overrides()  # sequence parallelism, activation recomputation
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             # micro-batches differ in (rows, length): stages exchange tensor shapes before activations.
             # TransformerConfig rejects this with its default MoE dispatcher (allgather) even for dense
@@ -196,8 +196,9 @@ class PolicyActor:
         return [[rows[i] for i in g] for g in groups]
 
     def _build(self, batch, plan: Sequence[Sequence[int]]) -> list:
-        packed = self.config.trainer.sequence_packing
-        return [build_micro_batch(rows, batch.prompt_ids, batch.response_ids, packed=packed) for rows in plan]
+        packed, multiple = self.config.trainer.sequence_packing, self.config.sequence_multiple
+        return [build_micro_batch(rows, batch.prompt_ids, batch.response_ids, packed=packed, pad_to_multiple=multiple)
+                for rows in plan]
 
     def _forward(self, batch, *, reference: bool, with_entropy: bool):
         if reference and not self.config.loss.use_kl_loss:

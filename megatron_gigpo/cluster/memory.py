@@ -12,6 +12,10 @@ gradients          ``P_s x 4``: Megatron DDP's fp32 ``main_grad`` buffer (``grad
 optimizer          ``P_s x (8 + m) / Z``: Adam's two fp32 moments (8 B) plus the fp32 master copy (m = 4) when
                    b = 2 (m = 0 for float32 params); Z = D with ``parallel.use_distributed_optimizer`` (ZeRO-1
                    shards the state over data-parallel ranks), else 1 — both variants are printed
+activations        what autograd keeps for backward during the update, per micro-batch of
+                   ``trainer.micro_batch_tokens`` tokens, times the micro-batches in flight on the stage (1F1B:
+                   S - s), with ``actor.recompute_*`` and ``parallel.sequence_parallel`` (their formula:
+                   :mod:`megatron_gigpo.cluster.activations`; Transformer-Engine's fused attention, the GPU install)
 log-prob chunk     ``4 x C x V_pad / T x 4`` on the last stage: the fp32 (C, V_pad / T) logits of
                    C = ``logprob_chunk_size`` response tokens, and the shifted, exp and exp * shifted temporaries of
                    :func:`megatron_gigpo.actor.logprob.vocab_parallel_log_probs`; V_pad = vocabulary padded to a
@@ -25,11 +29,12 @@ With ``model.lora.enabled`` the base is frozen: the reference is the base with a
 gradients and optimizer state are those of the adapters only (``A_s`` = adapter parameters of the rank,
 :func:`lora_rank_parameter_count`; weights ``(P_s + A_s) x b``).
 
-Peak of a colocated GPU = weights + reference + gradients + optimizer + max(log-prob chunk, vLLM): the actor's
-state stays resident while the engines generate, and the engines sleep (weights offloaded, KV cache freed)
-while the actor computes log-probs and updates. Disaggregated: actor GPUs hold the first five terms, engine
-GPUs ``u x G``. Not counted: activations (bounded by ``trainer.micro_batch_tokens`` and recomputation), the
-CUDA context and allocator slack (1-3 GiB), vLLM's CUDA graphs and sampler buffers.
+Peak of a colocated GPU = weights + reference + gradients + optimizer + max(activations + log-prob chunk, vLLM):
+the actor's state stays resident while the engines generate, and the engines sleep (weights offloaded, KV cache
+freed) while the actor computes log-probs and updates. Disaggregated: actor GPUs hold the first six terms,
+engine GPUs ``u x G``. Not counted: the CUDA context and allocator slack (1-3 GiB), vLLM's CUDA graphs and
+sampler buffers, the forward-only log-prob passes' transient tensors (one layer at a time, no graph kept).
+:func:`memory_refusal` names the GPU that does not fit; ``validate --plan`` refuses such a plan.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Protocol
 
+from megatron_gigpo.actor.config import RecomputeConfig
 from megatron_gigpo.algo.config import AlgorithmConfig
+from megatron_gigpo.cluster.activations import activation_bytes
 from megatron_gigpo.cluster.placement import PlacementPlan, RecipeLayout
 from megatron_gigpo.models.config import ModelConfig
 from megatron_gigpo.models.mapping import mapping_for
@@ -48,7 +55,7 @@ from megatron_gigpo.models.specs import hf_config_for, padded_vocab_size
 __all__ = [
     "GPUMemory", "hf_parameter_count", "rank_parameter_count", "lora_rank_parameter_count",
     "optimizer_bytes_per_param",
-    "estimate_memory", "format_memory", "policy_hf_config", "LOGPROB_CHUNK_BLOCKS",
+    "estimate_memory", "format_memory", "memory_refusal", "policy_hf_config", "LOGPROB_CHUNK_BLOCKS",
 ]
 
 GIB = 1 << 30
@@ -125,11 +132,12 @@ def optimizer_bytes_per_param(params_dtype: str) -> int:
 
 class PlannedRecipe(RecipeLayout, Protocol):
     """What the estimate reads of a recipe (:class:`megatron_gigpo.config.Config` is one): the placement plan's
-    sections, ``model`` (dtype, LoRA, ``init: random`` shape) and ``algorithm`` (``use_kl_loss``: a reference
-    copy or not)."""
+    sections, ``model`` (dtype, LoRA, ``init: random`` shape), ``algorithm`` (``use_kl_loss``: a reference
+    copy or not) and ``actor`` (activation recomputation)."""
 
     model: ModelConfig
     algorithm: AlgorithmConfig
+    actor: RecomputeConfig
 
 
 @dataclass(frozen=True)
@@ -144,6 +152,7 @@ class GPUMemory:
     gradients: int = 0
     optimizer_distributed: int = 0
     optimizer_replicated: int = 0
+    activations: int = 0
     logprob_chunk: int = 0
     vllm: int = 0  # u x G, when an engine (or a vLLM worker of one) uses this GPU
     engine_weights: int = 0
@@ -157,8 +166,13 @@ class GPUMemory:
         return self.weights + self.reference + self.gradients + optim
 
     @property
+    def update(self) -> int:
+        """The actor's bytes while it updates: resident state, activations and the log-prob chunk."""
+        return self.actor + self.activations + self.logprob_chunk
+
+    @property
     def peak(self) -> int:
-        return self.actor + max(self.logprob_chunk, self.vllm)
+        return max(self.update, self.actor + self.vllm)
 
 
 def policy_hf_config(cfg: PlannedRecipe) -> dict[str, Any] | None:
@@ -185,6 +199,8 @@ def estimate_memory(cfg: PlannedRecipe, plan: PlacementPlan, hf: dict[str, Any],
     b = _BYTES[dtype]
     vocab = padded_vocab_size(SimpleNamespace(vocab_size=hf["vocab_size"]), tp)
     chunk = LOGPROB_CHUNK_BLOCKS * cfg.trainer.logprob_chunk_size * vocab // tp * 4
+    tokens = cfg.trainer.micro_batch_tokens
+    row = r.prompt_length + r.response_length
     vllm = int(r.gpu_memory_utilization * gpu_memory_gib * GIB)
     engine_weights = hf_parameter_count(hf) * b // r.tensor_parallel_size
     engine_gpus = {(w.node, g) for e in plan.engines for w in (e.workers or (e.host,)) for g in w.gpus}
@@ -201,8 +217,11 @@ def estimate_memory(cfg: PlannedRecipe, plan: PlacementPlan, hf: dict[str, Any],
                     trained = lora_rank_parameter_count(hf, tp, pp, cfg.model.lora)
                     weights, reference = params + trained, 0
                 opt = trained * optimizer_bytes_per_param(dtype)
+                act = activation_bytes(hf, tokens=tokens, row_tokens=row, element_bytes=b, tp=tp, pp=pp, stage=stage,
+                                       sequence_parallel=p.sequence_parallel, recompute=cfg.actor,
+                                       fused_attention=True)  # the GPU install's Transformer-Engine layers
                 fields.update(weights=weights * b, reference=reference * b, gradients=trained * 4,
-                              optimizer_distributed=opt // dp, optimizer_replicated=opt,
+                              optimizer_distributed=opt // dp, optimizer_replicated=opt, activations=act.total,
                               logprob_chunk=chunk if stage == pp - 1 else 0)
             if (n, g) in engine_gpus:
                 fields.update(vllm=vllm, engine_weights=engine_weights, kv_cache=max(vllm - engine_weights, 0))
@@ -213,7 +232,7 @@ def estimate_memory(cfg: PlannedRecipe, plan: PlacementPlan, hf: dict[str, Any],
 def format_memory(rows: list[GPUMemory], gpu_memory_gib: float) -> str:
     """The estimate as a table in GiB, one line per GPU, with each GPU's peak against ``gpu_memory_gib``."""
     head = (f"{'node':>4} {'GPU':>3} {'rank':>4} {'weights':>7} {'ref':>6} {'grads':>6} {'optim':>6} "
-            f"{'optim':>6} {'lp-chunk':>8} {'vLLM':>6} {'vLLM-w':>6} {'KV':>6} {'peak':>6}  verdict")
+            f"{'optim':>6} {'activ':>6} {'lp-chunk':>8} {'vLLM':>6} {'vLLM-w':>6} {'KV':>6} {'peak':>6}  verdict")
     sub = f"{'':>4} {'':>3} {'':>4} {'':>7} {'':>6} {'':>6} {'dist':>6} {'repl':>6}"
     lines = [f"memory per GPU (GiB, estimate; megatron_gigpo/cluster/memory.py), against {gpu_memory_gib:g} GiB:", head, sub]
     over = 0
@@ -228,10 +247,38 @@ def format_memory(rows: list[GPUMemory], gpu_memory_gib: float) -> str:
         lines.append(
             f"{m.node:>4} {m.gpu:>3} {'-' if m.rank is None else m.rank:>4} {gib(m.weights):>7} {gib(m.reference):>6} "
             f"{gib(m.gradients):>6} {gib(m.optimizer_distributed) + star[0]:>6} "
-            f"{gib(m.optimizer_replicated) + star[1]:>6} {gib(m.logprob_chunk):>8} {gib(m.vllm):>6} "
-            f"{gib(m.engine_weights):>6} {gib(m.kv_cache):>6} {gib(m.peak):>6}  {verdict}")
+            f"{gib(m.optimizer_replicated) + star[1]:>6} {gib(m.activations):>6} {gib(m.logprob_chunk):>8} "
+            f"{gib(m.vllm):>6} {gib(m.engine_weights):>6} {gib(m.kv_cache):>6} {gib(m.peak):>6}  {verdict}")
     lines.append("* = the recipe's optimizer (parallel.use_distributed_optimizer); peak = weights + ref + grads + "
-                 "optim* + max(lp-chunk, vLLM); activations not included")
+                 "optim* + max(activ + lp-chunk, vLLM); activ: the update's activations (actor.recompute_*, "
+                 "parallel.sequence_parallel, trainer.micro_batch_tokens)")
     if over:
         lines.append(f"{over} GPU(s) over {gpu_memory_gib:g} GiB")
     return "\n".join(lines)
+
+
+def memory_refusal(rows: list[GPUMemory], gpu_memory_gib: float) -> str | None:
+    """None when every GPU's peak fits in ``gpu_memory_gib``; else one line naming the GPU most over, what runs
+    there, by how much, and the settings that lower its larger part (the actor's update or vLLM)::
+
+        2 of 8 GPU(s) over 80 GiB; OVER by 35.4 GiB on node 0 GPU 0 (actor rank 0 and a vLLM engine: the
+        update needs 115.4 GiB); lower trainer.micro_batch_tokens, ...
+    """
+    limit = gpu_memory_gib * GIB
+    over = [m for m in rows if m.peak > limit]
+    if not over:
+        return None
+    worst = max(over, key=lambda m: m.peak)
+    roles = [f"actor rank {worst.rank}"] if worst.rank is not None else []
+    roles += ["a vLLM engine"] if worst.vllm else []
+    if worst.rank is not None and worst.update >= worst.actor + worst.vllm:
+        part = f"the update needs {worst.update / GIB:.1f} GiB"
+        advice = ("lower trainer.micro_batch_tokens, set actor.recompute_granularity=full (with recompute_method and "
+                  "recompute_num_layers) or parallel.sequence_parallel=true (TP > 1), raise "
+                  "parallel.tensor_model_parallel_size / pipeline_model_parallel_size"
+                  + ("" if worst.distributed_optimizer else " or set parallel.use_distributed_optimizer=true"))
+    else:
+        part = f"the actor's state and vLLM need {(worst.actor + worst.vllm) / GIB:.1f} GiB"
+        advice = "lower rollout.gpu_memory_utilization (or the actor's state: raise TP / PP)"
+    return (f"{len(over)} of {len(rows)} GPU(s) over {gpu_memory_gib:g} GiB; OVER by {(worst.peak - limit) / GIB:.1f} "
+            f"GiB on node {worst.node} GPU {worst.gpu} ({' and '.join(roles)}: {part}); {advice}")

@@ -4,8 +4,8 @@ A recipe file may start from another with ``base: relative/path.yaml`` so each f
 Command-line overrides use ``section.key=value`` (values parsed as YAML scalars/lists).
 
 Each section is the settings dataclass of the component that uses it, declared with that component and passed
-to it whole: ``model`` (:mod:`megatron_gigpo.models.config`); ``parallel`` and ``optim``
-(:mod:`megatron_gigpo.actor.config`, with ``algorithm`` as the policy loss and ``trainer`` for mini-batches and
+to it whole: ``model`` (:mod:`megatron_gigpo.models.config`); ``parallel``, ``actor`` (activation
+recomputation) and ``optim`` (:mod:`megatron_gigpo.actor.config`, with ``algorithm`` as the policy loss and ``trainer`` for mini-batches and
 token budgets: :class:`~megatron_gigpo.actor.config.ActorConfig`); ``algorithm`` (:mod:`megatron_gigpo.algo.config`,
 also to the advantage estimators); ``rollout`` (:mod:`megatron_gigpo.rollout.config`, to the vLLM engines);
 ``env`` (:mod:`megatron_gigpo.episodes.config` plus ``env.<name>`` of each environment registered in
@@ -32,7 +32,7 @@ Cross-section checks (:func:`validate_config`) run before anything starts; check
 directories, devices, services) live in :mod:`megatron_gigpo.cluster.preflight`.
 """
 
-from megatron_gigpo.actor.config import LR_DECAY_STYLES, OptimConfig, ParallelConfig
+from megatron_gigpo.actor.config import LR_DECAY_STYLES, OptimConfig, ParallelConfig, RecomputeConfig
 from megatron_gigpo.algo.config import AlgorithmConfig, DynamicSamplingConfig
 from megatron_gigpo.config.loading import config_to_dict, load_config, parse_overrides, save_config
 from megatron_gigpo.config.schema import Config, EnvConfig
@@ -55,7 +55,8 @@ __all__ = [
     "Config", "EnvConfig", "ConfigError", "load_config", "save_config", "parse_overrides", "config_to_dict",
     "validate_config", "recipe_fields", "model_shape", "ModelShape",
     "group_relative_estimators",
-    "ModelConfig", "ArchitectureConfig", "LoraConfig", "ParallelConfig", "OptimConfig", "RolloutConfig",
+    "ModelConfig", "ArchitectureConfig", "LoraConfig", "ParallelConfig", "RecomputeConfig", "OptimConfig",
+    "RolloutConfig",
     "EpisodeConfig", "AlgorithmConfig", "DynamicSamplingConfig", "TrainerConfig", "TimeoutsConfig",
     "LoggingConfig", "CheckpointConfig", "SFTConfig", "DemosConfig",
     "PARAMS_DTYPES", "LORA_TARGETS", "LR_DECAY_STYLES", "MAX_SEED", "MAX_TIMEOUT_S",

@@ -1,5 +1,5 @@
 """The recipe tree: :class:`Config`, one field per section, each section the settings dataclass that its
-component declares (``model`` -> :mod:`megatron_gigpo.models.config`, ``parallel`` and ``optim`` ->
+component declares (``model`` -> :mod:`megatron_gigpo.models.config`, ``parallel``, ``actor`` and ``optim`` ->
 :mod:`megatron_gigpo.actor.config`, ``rollout`` -> :mod:`megatron_gigpo.rollout.config`, ``algorithm`` ->
 :mod:`megatron_gigpo.algo.config`, ``trainer``, ``logging`` and ``checkpoint`` -> :mod:`megatron_gigpo.run.config`,
 ``sft`` -> :mod:`megatron_gigpo.sft.config`), and ``env``: the shared
@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_gigpo.actor.config import OptimConfig, ParallelConfig
+from megatron_gigpo.actor.config import OptimConfig, ParallelConfig, RecomputeConfig
 from megatron_gigpo.algo.config import AlgorithmConfig
 from megatron_gigpo.episodes.config import EpisodeConfig
 from megatron_gigpo.models.config import ModelConfig
@@ -47,6 +47,7 @@ class Config:
     model: ModelConfig
     env: EnvConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    actor: RecomputeConfig = field(default_factory=RecomputeConfig)  # activation recomputation
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -217,6 +217,8 @@ def validate_config(cfg: Config, source: str = "config") -> None:
             errors.append(
                 f"parallel.pipeline_model_parallel_size={pp} must divide the model's {shape.num_layers} layers"
             )
+        else:
+            errors += _model_layout_errors(cfg, shape.num_layers // pp)
         if shape.num_attention_heads % r.tensor_parallel_size or shape.num_key_value_heads % r.tensor_parallel_size:
             errors.append(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the attention and KV heads")
     errors += _context_errors(cfg)
@@ -240,6 +242,17 @@ def validate_config(cfg: Config, source: str = "config") -> None:
     errors += _sft_errors(cfg.sft, dp, e.name)
     if errors:
         raise ConfigError(f"{source}: " + "; ".join(errors))
+
+
+def _model_layout_errors(cfg: Config, layers_per_stage: int) -> list[str]:
+    """Sequence parallelism and recomputation: the actor's own rules
+    (:func:`megatron_gigpo.actor.config.model_layout_errors`), with the LoRA sections that are on (RL's
+    ``model.lora``, the cold start's ``sft.lora``)."""
+    from megatron_gigpo.actor.config import model_layout_errors
+
+    loras = (("model.lora", cfg.model.lora), ("sft.lora", cfg.sft.lora))
+    lora_keys = tuple(key for key, lora in loras if lora.enabled)
+    return model_layout_errors(cfg.parallel, cfg.actor, lora_keys=lora_keys, layers_per_stage=layers_per_stage)
 
 
 def _context_errors(cfg: Config) -> list[str]:

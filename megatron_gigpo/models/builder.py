@@ -176,13 +176,35 @@ def _transformer_engine_usable() -> bool:
     return True
 
 
-def layer_spec(config: TransformerConfig) -> ModuleSpec:
-    """Transformer-Engine layer spec when TE and CUDA are present, Megatron's local spec otherwise."""
+class SequenceParallelTorchNorm:
+    """Megatron's ``WrappedTorchNorm`` (torch ``RMSNorm`` / ``LayerNorm``) for sequence parallelism, which the
+    wrapper refuses: with the sequence split over the TP ranks each rank's norm gains get the gradient of its own
+    tokens only, so they carry Megatron's ``sequence_parallel`` attribute and ``finalize_model_grads`` sums
+    their gradients over TP (as Transformer-Engine's and Apex's norms do). Same constructor as the wrapper."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused: Any) -> torch.nn.Module:
+        norm_cls = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}[config.normalization]
+        norm = norm_cls(hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def layer_spec(config: TransformerConfig, vp_stage: int | None = None) -> Any:
+    """Transformer-Engine layer spec when TE and CUDA are present, Megatron's local spec otherwise; with
+    ``config.sequence_parallel`` and the local spec, a ``TransformerBlockSubmodules`` of this stage's layers
+    whose norms (and the final norm) are :class:`SequenceParallelTorchNorm`."""
     from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     if _transformer_engine_usable():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization)
+    if not config.sequence_parallel:
+        return spec
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage),
+                                      layer_norm=SequenceParallelTorchNorm)
 
 
 def build_gpt_model(
@@ -222,7 +244,7 @@ def build_gpt_model(
     rope = rope_settings(hf_config)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config),
+        transformer_layer_spec=layer_spec(config, vp_stage),
         vocab_size=padded_vocab_size(hf_config, tp),
         max_sequence_length=int(hf_config.max_position_embeddings),
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

@@ -110,6 +110,22 @@ def test_build_packed_micro_batch_uses_cu_seqlens():
 
 
 @pytest.mark.unit
+def test_sequence_parallel_pads_the_sequence_to_a_multiple_of_tp():
+    prompts, responses = _rows()
+    padded = build_micro_batch([1, 0, 2], prompts, responses, packed=False, pad_to_multiple=4)
+    plain = build_micro_batch([1, 0, 2], prompts, responses, packed=False)
+    assert padded.input_ids.shape == (3, 8) and padded.input_ids[:, :5].tolist() == plain.input_ids.tolist()
+    # the same positions predict the same labels in the longer (S, B) layout (index = position x B + row)
+    assert padded.hidden_index.tolist() == plain.hidden_index.tolist()
+    packed = build_micro_batch([0, 1], prompts, responses, packed=True, pad_to_multiple=4)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 11, 12, 8, 13, 14, 15, 0, 0, 0]]  # 9 -> 12 tokens
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2]]
+    assert packed.packed_seq_params.cu_seqlens_q.tolist() == [0, 5, 9, 12]  # the padding: a sequence of its own
+    unpadded = build_micro_batch([0, 1], prompts, responses, packed=True)
+    assert packed.hidden_index.tolist() == unpadded.hidden_index.tolist()
+
+
+@pytest.mark.unit
 def test_build_rejects_empty_prompt():
     with pytest.raises(ValueError, match="row 0: empty prompt_ids"):
         build_micro_batch([0], [torch.tensor([], dtype=torch.long)], [torch.tensor([1])], packed=False)

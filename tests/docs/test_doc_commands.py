@@ -5,11 +5,11 @@ The fenced ``bash`` / ``sh`` / ``shell`` blocks are read line by line (backslash
 chains split, leading ``VAR=value`` assignments dropped). Each command is checked without training anything:
 
 - ``megatron-gigpo train|sft|eval|demos|validate RECIPE [options] [overrides]``: the line is parsed by the CLI's own
-  parser, then ``megatron-gigpo validate RECIPE [overrides]`` (with ``--plan`` / ``--gpu-memory-gib`` /
-  ``--nodes`` / ``--gpus-per-node`` when given) must exit 0, so the recipe exists, every key and value is valid
-  and the layout fits. ``--preflight`` is left out (it checks this machine's data, devices and services). A
-  ``model.path=runs/...`` override naming the output of an earlier command that is not there is checked with the
-  recipe's own ``model.path`` instead.
+  parser, then ``megatron-gigpo validate RECIPE [overrides]`` (with ``--plan``, ``--gpu-memory-gib``,
+  ``--allow-over-memory``, ``--nodes``, ``--gpus-per-node`` when given) must exit 0, so the recipe exists, every
+  key and value is valid and the layout fits (its memory too, with ``--plan``). ``--preflight`` is left out (it
+  checks this machine's data, devices and services). A ``model.path=runs/...`` override naming the output of an
+  earlier command that is not there is checked with the recipe's own ``model.path`` instead.
 - the other ``megatron-gigpo`` subcommands (``plot``, ``convert``, ``serve-retriever``): with ``--help``.
 - ``python3 benchmarks/X.py ...`` and ``python3 tools/X.py ...``: ``--help``.
 - ``sbatch [options] slurm/train.sbatch RECIPE [overrides]``: what the job's validation step checks, less the
@@ -211,8 +211,11 @@ def _validate_argv(args, recipe: str, overrides: list[str]) -> list[str]:
         argv.append("--plan")
     if getattr(args, "gpu_memory_gib", None) is not None:
         argv += ["--gpu-memory-gib", str(args.gpu_memory_gib)]
-    if getattr(args, "nodes", None) is not None:
-        argv += ["--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus_per_node)]
+  parser, then ``megatron-gigpo validate RECIPE [overrides]`` (with ``--plan``, ``--gpu-memory-gib``,
+  ``--allow-over-memory``, ``--nodes``, ``--gpus-per-node`` when given) must exit 0, so the recipe exists, every
+  key and value is valid and the layout fits (its memory too, with ``--plan``). ``--preflight`` is left out (it
+  checks this machine's data, devices and services). A ``model.path=runs/...`` override naming the output of an
+  earlier command that is not there is checked with the recipe's own ``model.path`` instead.
     return argv
 
 

@@ -66,6 +66,15 @@ def test_validate_plan_prints_every_recipe(recipe, capsys):
     if t.device == "cuda":
         assert "memory per GPU" in out and "OVER" not in out
         assert len(re.findall(r"  fits$", out, re.MULTILINE)) == gpus
+        # with the update's activations (column activ), and room left for the CUDA context (1-3 GiB)
+        rows = re.findall(r"^ +\d+ +\d+ +\S+ +([\d. *]+) +fits$", out, re.MULTILINE)
+        assert len(rows) == gpus
+        for row in rows:
+            weights, ref, grads, dist, repl, activ, chunk, vllm, _, _, peak = row.split()
+            assert float(activ) > 0 and float(peak) <= 78.0, row
+            optim = dist if dist.endswith("*") else repl
+            actor = sum(float(x.rstrip("*")) for x in (weights, ref, grads, optim))
+            assert float(peak) == pytest.approx(max(actor + float(activ) + float(chunk), actor + float(vllm)), abs=0.3)
     _check_invariants(plan_placement(cfg), cfg)
 
 
@@ -87,10 +96,38 @@ def test_gpu_memory_gib_must_be_a_positive_finite_number(value, capsys):
     assert exc.value.code == 2 and "--gpu-memory-gib" in capsys.readouterr().err
 
 
-def test_gpu_memory_gib_sets_the_budget_of_the_estimate(capsys):
-    assert main(["validate", str(ALF_7B), "--plan", "--gpu-memory-gib", "40"]) == 0
-    out = capsys.readouterr().out
-    assert "against 40 GiB" in out and "8 GPU(s) over 40 GiB" in out
+def test_gpu_memory_gib_sets_the_budget_and_a_plan_that_does_not_fit_is_refused(capsys):
+    assert main(["validate", str(ALF_7B), "--plan", "--gpu-memory-gib", "40"]) == 2
+    captured = capsys.readouterr()
+    assert "against 40 GiB" in captured.out and "8 GPU(s) over 40 GiB" in captured.out
+    # the worst GPU, its roles, the larger part of its peak (here the update, larger than vLLM's 0.6 x 40 GiB)
+    assert re.search(r"megatron-gigpo validate: does not fit: 8 of 8 GPU\(s\) over 40 GiB; OVER by \d+\.\d GiB "
+                     r"on node 0 GPU 0 \(actor rank 0 and a vLLM engine: the update needs \d+\.\d GiB\); lower "
+                     r"trainer\.micro_batch_tokens, .*; or pass --allow-over-memory$", captured.err.strip()), captured.err
+    assert main(["validate", str(ALF_7B), "--plan", "--gpu-memory-gib", "40", "--allow-over-memory"]) == 0
+    captured = capsys.readouterr()
+    assert "8 GPU(s) over 40 GiB" in captured.out and "--allow-over-memory: going on although 8 of 8" in captured.out
+
+
+def test_activations_alone_can_refuse_a_plan_and_recomputation_makes_it_fit(capsys):
+    """The 1.5B recipe at TP1: a 32768-token micro-batch keeps ~97 GiB of activations (Transformer-Engine layers,
+    no recomputation); full recomputation keeps each layer's input only (~2.6 GiB for 28 layers)."""
+    big = ["trainer.micro_batch_tokens=32768"]
+    assert main(["validate", str(SOKOBAN), *big, "--plan"]) == 2
+    err = capsys.readouterr().err
+    assert "OVER by" in err and "(actor rank 0 and a vLLM engine: the update needs" in err
+    assert "set actor.recompute_granularity=full" in err and "rollout.gpu_memory_utilization" not in err
+    full = ["actor.recompute_granularity=full", "actor.recompute_method=uniform", "actor.recompute_num_layers=1"]
+    assert main(["validate", str(SOKOBAN), *big, *full, "--plan"]) == 0
+    assert "OVER" not in capsys.readouterr().out
+    # vLLM's share the larger part: the advice is about vLLM
+    assert main(["validate", str(SOKOBAN), "rollout.gpu_memory_utilization=0.95", "--plan"]) == 2
+    assert "the actor's state and vLLM need" in capsys.readouterr().err
+
+
+def test_allow_over_memory_without_plan_is_refused(capsys):
+    assert main(["validate", str(ALF_7B), "--allow-over-memory"]) == 2
+    assert "--allow-over-memory is only read with --plan" in capsys.readouterr().err
 
 
 def test_gpu_memory_gib_without_plan_is_refused(capsys):
