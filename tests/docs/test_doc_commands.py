@@ -211,11 +211,10 @@ def _validate_argv(args, recipe: str, overrides: list[str]) -> list[str]:
         argv.append("--plan")
     if getattr(args, "gpu_memory_gib", None) is not None:
         argv += ["--gpu-memory-gib", str(args.gpu_memory_gib)]
-  parser, then ``megatron-gigpo validate RECIPE [overrides]`` (with ``--plan``, ``--gpu-memory-gib``,
-  ``--allow-over-memory``, ``--nodes``, ``--gpus-per-node`` when given) must exit 0, so the recipe exists, every
-  key and value is valid and the layout fits (its memory too, with ``--plan``). ``--preflight`` is left out (it
-  checks this machine's data, devices and services). A ``model.path=runs/...`` override naming the output of an
-  earlier command that is not there is checked with the recipe's own ``model.path`` instead.
+    if getattr(args, "nodes", None) is not None:
+        argv += ["--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus_per_node)]
+    if getattr(args, "allow_over_memory", False):
+        argv.append("--allow-over-memory")
     return argv
 
 
