@@ -57,16 +57,15 @@ def _run_variant(model_dir, settings: dict) -> dict:
     from megatron_gigpo.models.builder import unwrap_gpt_model
 
     batch = make_batch()
-    config = actor_config(model_dir, tp=2, **settings)
+    config = actor_config(model_dir, tp=2, use_kl_loss=False, **settings)  # no reference model: a cheaper test
     # lr 1e-4 with a larger Adam eps keeps the step continuous in the gradient (see test_actor_layouts)
     config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, lr=1e-4, adam_eps=1e-3))
     actor = PolicyActor(config)
     gpt = unwrap_gpt_model(actor.model_chunks[0])
     out = {"config": {k: getattr(gpt.config, k) for k in ("sequence_parallel", *FULL)}}
     out["log_probs"], out["entropy"] = actor.compute_log_probs_and_entropy(batch)
-    ref = actor.compute_log_probs(batch, reference=True)
     calls = _Calls(gpt)
-    out["metrics"], _ = actor.update(batch, row_advantages(batch), out["log_probs"], ref)
+    out["metrics"], _ = actor.update(batch, row_advantages(batch), out["log_probs"])
     out["calls"] = {"layer": calls.layer, "attention": calls.attention, "seq": sorted(calls.seq)}
     out["micro_batches"] = len(actor._plan(range(batch.num_rows), [p.numel() + r.numel() for p, r in
                                                                     zip(batch.prompt_ids, batch.response_ids)],
@@ -122,7 +121,7 @@ def test_log_probs_and_one_update_equal_the_plain_actor(runs, name):
     for key in ("log_probs", "entropy"):
         for got, want in zip(run[key], plain[key]):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"{name} {key}")
-    for key in ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss"):
+    for key in ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
         assert run["metrics"][key] == pytest.approx(plain["metrics"][key], rel=1e-5, abs=1e-6), (name, key)
     assert run["weights"].keys() == plain["weights"].keys() and "lm_head.weight" in plain["weights"]
     for hf_name, tensor in plain["weights"].items():
