@@ -17,6 +17,8 @@ import os
 import re
 from pathlib import Path
 
+from megatron_gigpo.files import write_text_atomic
+
 __all__ = [
     "META_FILE",
     "checkpoint_name",
@@ -94,12 +96,7 @@ def checkpoint_from_cli(path: str | Path, flag: str, *, other_folders: bool = Fa
 def write_json_atomic(path: Path, payload: dict) -> None:
     """Write ``payload`` as JSON to ``path`` through ``<path>.tmp``, fsync and rename: readers see the old file
     or the whole new one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(payload, indent=1, sort_keys=True), fsync=True)
 
 
 def fsync_dir(path: Path) -> None:

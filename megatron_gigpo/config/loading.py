@@ -8,7 +8,6 @@ import difflib
 import json
 import os
 import shlex
-import tempfile
 import types
 import typing
 from pathlib import Path
@@ -18,6 +17,7 @@ import yaml
 
 from megatron_gigpo.config.schema import Config
 from megatron_gigpo.config.validation import resolve_auto_sizes, validate_config
+from megatron_gigpo.files import write_text_atomic
 from megatron_gigpo.fields import ConfigError, is_auto
 
 # --------------------------------------------------------------------------------------------------
@@ -232,10 +232,6 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
     """Write the resolved config as YAML atomically (temp file in the same folder, then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
-    os.chmod(tmp, 0o644)  # mkstemp creates 0600; the resolved config is for everyone who reads the run
-    os.replace(tmp, path)
+    write_text_atomic(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 

@@ -46,6 +46,7 @@ from typing import Any
 from megatron_gigpo.config import Config
 from megatron_gigpo.demos.config import REASONING_MODES
 from megatron_gigpo.demos.experts import Expert, ExpertUnavailable, make_expert
+from megatron_gigpo.files import write_text_atomic
 from megatron_gigpo.envs.base import Environment, Task
 from megatron_gigpo.episodes.prompts import PromptRenderer, PromptTooLongError, StepPromptState
 
@@ -265,9 +266,7 @@ class _PartialFile:
         self.stats.elapsed_s = elapsed_s
         meta = {"args": self.args, "next_index": next_index, "bytes": self._file.tell(),
                 "stats": asdict(self.stats), "rng_state": rng.getstate()}
-        tmp = self.meta_path.with_name(self.meta_path.name + ".tmp")
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, self.meta_path)
+        write_text_atomic(self.meta_path, json.dumps(meta))
 
     def finish(self) -> None:
         """The partial file becomes ``out`` (a rename: readers see the old file or the whole new one)."""

@@ -7,12 +7,12 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from megatron_gigpo.files import write_text_atomic
 from megatron_gigpo.run.config import LoggingConfig, TrainerConfig
 
 log = logging.getLogger(__name__)
@@ -119,9 +119,7 @@ def set_aside_earlier_attempt(run_dir: Path, resume_step: int) -> Path | None:
     dest.mkdir(parents=True)
     if later:
         (dest / METRICS_FILE).write_text("".join(line + "\n" for line in lines))  # the whole file as it was
-        tmp = path.with_name(f".{METRICS_FILE}.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(line + "\n" for line in keep))
     if move_tb:
         shutil.move(str(tensorboard), str(dest / TENSORBOARD_DIR))
     shown = sorted({s for s in later if s is not None})
@@ -148,10 +146,7 @@ def write_validation_episodes(run_dir: Path, step: int, episodes: list[Any]) -> 
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps({"task_id": e.task_id, "won": bool(e.won), "length": int(e.length),
                          "episode_return": float(e.episode_return), "failed": bool(e.failed)}) for e in episodes]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in lines))
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, "".join(line + "\n" for line in lines))
 
 
 def read_validation_episodes(run_dir: Path, step: int) -> list[dict[str, Any]]:

@@ -10,12 +10,11 @@ as in the real benchmark. The content is generated; it is not WebShop data.
 from __future__ import annotations
 
 import json
-import os
 import random
-import tempfile
 from pathlib import Path
 
 from megatron_gigpo.envs.webshop.catalog import ATTRIBUTES_FILE, HUMAN_GOALS_FILE, ITEMS_FILE
+from megatron_gigpo.files import write_text_atomic
 
 # (category, query, category path, product nouns, attribute pool)
 _CATEGORIES = [
@@ -38,13 +37,6 @@ _CATEGORIES = [
 _BRANDS = ["Acme", "Borealis", "Cobalt", "Dovetail", "Evergreen", "Fjord", "Granite", "Halcyon", "Indigo", "Juniper"]
 _COLORS = ["black", "white", "navy blue", "red", "grey", "green"]
 _SIZES = ["small", "medium", "large", "x-large", "8", "9", "10", "11"]
-
-
-def _atomic_json(path: Path, data: object) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
 
 
 def _product(rng: random.Random, index: int) -> tuple[dict, dict, list[dict]]:
@@ -112,7 +104,7 @@ def write_synthetic_webshop_data(out_dir: str | Path, num_products: int = 100, s
         attrs[product["asin"]] = attribute_record
         human[product["asin"]] = instructions
     paths = {"items": out / ITEMS_FILE, "attributes": out / ATTRIBUTES_FILE, "human_goals": out / HUMAN_GOALS_FILE}
-    _atomic_json(paths["items"], items)
-    _atomic_json(paths["attributes"], attrs)
-    _atomic_json(paths["human_goals"], human)
+    write_text_atomic(paths["items"], json.dumps(items))
+    write_text_atomic(paths["attributes"], json.dumps(attrs))
+    write_text_atomic(paths["human_goals"], json.dumps(human))
     return paths
