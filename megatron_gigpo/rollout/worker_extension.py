@@ -134,3 +134,12 @@ class WeightSyncWorkerExtension:
         finally:
             self._wsync_buckets = []
         return len(weights)
+
+    # ------------------------------------------------------------------------- vLLM weight transfer (draft)
+    def weight_transfer_info(self) -> dict[str, Any]:
+        """This worker's process id and the class of its vLLM weight-transfer engine (None when the engine was
+        started without ``weight_transfer_config``)."""
+        import os
+
+        engine = getattr(self, "weight_transfer_engine", None)
+        return {"pid": os.getpid(), "engine": None if engine is None else type(engine).__name__}
