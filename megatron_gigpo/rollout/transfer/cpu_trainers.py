@@ -182,6 +182,8 @@ class SharedMemoryTrainerEngine(TrainerWeightTransferEngine[SharedMemoryTrainerI
             if error is not None:
                 raise error
             self.client.finish_weight_update()
+            if not self.reuse_files and self.pool is not None:  # loaded: the engines dropped their mappings
+                self.pool.close()
 
     def _exchange(self, bucket: list, pending: list) -> BaseException | None:
         """One export step of a subgroup member: the sender packs and broadcasts, writers write, paths are

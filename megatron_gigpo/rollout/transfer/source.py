@@ -41,7 +41,7 @@ class MegatronExportSource(WeightSource):
 
     Attributes:
         error: the first :class:`WeightSyncError` of the sender's checks, else None.
-        digests: hex-free 32-byte digest per HF name of what was yielded (sender only).
+        digests: 32-byte BLAKE3 digest per HF name of what was yielded (sender only).
         num_tensors, nbytes: tensors yielded and their bytes in the transfer dtype (sender only).
         export_s, hash_s: seconds spent waiting for the export (TP/PP gathers) and hashing.
     """
