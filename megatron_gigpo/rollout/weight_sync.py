@@ -40,6 +40,7 @@ from megatron_gigpo.deadlines import get_with_deadline
 from megatron_gigpo.rollout.checksum import weights_checksum
 from megatron_gigpo.rollout.errors import WeightSyncError
 from megatron_gigpo.rollout.transport import dtype_from_name
+from megatron_gigpo.rollout.vllm_plugin import BACKENDS, GLOO_BACKEND, IPC_BACKEND, SHM_BACKEND
 
 __all__ = [
     "WeightSyncError",
@@ -56,8 +57,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SHM, GLOO, IPC, NCCL = "mgigpo_shm", "mgigpo_gloo", "mgigpo_ipc", "mgigpo_nccl"  # = rollout.vllm_plugin's names
-BACKENDS = (SHM, GLOO, IPC, NCCL)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -172,7 +171,7 @@ class SyncPlan:
     version: int
     bucket_size_bytes: int
     spec: WeightSpec
-    backend: str = SHM
+    backend: str = SHM_BACKEND
     reuse_shm: bool = True
     timeout_s: float = 600.0
 
@@ -339,15 +338,15 @@ def _trainer_init_info(plan: SyncPlan, rank: int):
     """The backend's vLLM ``TrainerInitInfo`` for this rank (GPU ones from ``transfer.cuda_engines``)."""
     from megatron_gigpo.rollout.transfer import cpu_trainers
 
-    if plan.backend == SHM:
+    if plan.backend == SHM_BACKEND:
         return cpu_trainers.SharedMemoryTrainerInitInfo(rank=rank, dtype=plan.spec.dtype,
                                                         engine_nodes=plan.engine_nodes, reuse_files=plan.reuse_shm)
-    if plan.backend == GLOO:
+    if plan.backend == GLOO_BACKEND:
         return cpu_trainers.GlooTrainerInitInfo(rank=rank, dtype=plan.spec.dtype, host=_node_ip(),
                                                 world_size=1 + sum(plan.engine_workers), timeout_s=plan.timeout_s)
     from megatron_gigpo.rollout.transfer import cuda_engines  # vLLM's CUDA transports; imported on GPU runs only
 
-    if plan.backend == IPC:
+    if plan.backend == IPC_BACKEND:
         return cuda_engines.ipc_trainer_init_info(plan, rank)
     return cuda_engines.nccl_trainer_init_info(plan, rank)
 

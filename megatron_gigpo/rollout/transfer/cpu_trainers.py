@@ -37,12 +37,10 @@ from megatron_gigpo.rollout.transport import (
     pack_bucket,
     plan_layout,
 )
+from megatron_gigpo.rollout.vllm_plugin import GLOO_BACKEND, SHM_BACKEND
 
 __all__ = ["SharedMemoryTrainerInitInfo", "SharedMemoryTrainerEngine", "GlooTrainerInitInfo", "GlooTrainerEngine",
            "node_writers"]
-
-SHM_BACKEND, GLOO_BACKEND = "mgigpo_shm", "mgigpo_gloo"  # = rollout.vllm_plugin's constants
-
 
 def _ray_node_id() -> str:
     import ray
