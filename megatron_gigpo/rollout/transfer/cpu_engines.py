@@ -69,7 +69,7 @@ class SharedMemoryWeightTransferEngine(StagedWeightTransfer, WeightTransferEngin
     and stages views into it (no copy).
 
     ``update_weights`` raises WeightSyncError for a chunk before ``init_weight_transfer_engine``, no file for
-    this engine's node, a dtype other than the engine's, or any check of :meth:`StagedWeightTransfer._stage`;
+    this engine's node, or any check of :meth:`StagedWeightTransfer._stage` (name, shape, dtype, digest);
     FileNotFoundError / ValueError when the file is gone or shorter than the layout.
     """
 
@@ -95,7 +95,6 @@ class SharedMemoryWeightTransferEngine(StagedWeightTransfer, WeightTransferEngin
             raise WeightSyncError(f"mgigpo_shm bucket has files for nodes {sorted(update_info.paths)}, none for "
                                   f"this engine's node {self.node_key!r}")
         layout = BucketLayout.from_wire(update_info.layout)
-        self._check_dtype(layout.dtype, "bucket")
         flat = open_shared_memory_bucket(path, layout.nbytes)
         if self.device.type != "cpu":
             flat = flat.to(self.device)
@@ -130,9 +129,9 @@ class GlooWeightTransferEngine(StagedWeightTransfer, WeightTransferEngine):
     ``init_transfer_engine`` (blocks until every member has joined, at most ``timeout_s``), receives each bucket
     by broadcast from rank 0 into a fresh buffer and stages it.
 
-    ``update_weights`` raises WeightSyncError for a chunk before ``init_weight_transfer_engine``, a dtype other
-    than the engine's, or any check of :meth:`StagedWeightTransfer._stage`; gloo's RuntimeError on a broken or
-    timed-out group.
+    ``update_weights`` raises WeightSyncError for a chunk before ``init_weight_transfer_engine`` or any check of
+    :meth:`StagedWeightTransfer._stage` (name, shape, dtype, digest); ValueError for an inconsistent layout;
+    gloo's RuntimeError on a broken or timed-out group.
     """
 
     init_info_cls = GlooInitInfo
@@ -163,7 +162,6 @@ class GlooWeightTransferEngine(StagedWeightTransfer, WeightTransferEngine):
         layout = BucketLayout.from_wire(update_info.layout)
         flat = torch.empty(layout.nbytes, dtype=torch.uint8)
         self.group.broadcast(flat)  # before any check: rank 0 sends either way, the group must stay in step
-        self._check_dtype(layout.dtype, "bucket")
         self._stage(unpack_bucket(flat, layout), update_info.digests, copy=False)  # flat is this bucket's own
 
     def shutdown(self) -> None:
