@@ -52,6 +52,7 @@ from typing import Any, Protocol, Sequence
 from megatron_gigpo.actor.config import ParallelConfig
 from megatron_gigpo.fields import ConfigError
 from megatron_gigpo.rollout.config import RolloutConfig
+from megatron_gigpo.rollout.vllm_plugin import GLOO_BACKEND, IPC_BACKEND, NCCL_BACKEND, SHM_BACKEND
 from megatron_gigpo.run.config import TrainerConfig
 
 __all__ = [
@@ -372,12 +373,12 @@ def _cpu_engines(cfg: RecipeLayout, cluster: ClusterShape, world: int, colocated
 # The vLLM weight-transfer backends a plan can choose (registered by megatron_gigpo.rollout.vllm_plugin): what
 # each is, and how its bytes reach the engines (format_weight_sync prints both).
 WEIGHT_BACKENDS: dict[str, tuple[str, str]] = {
-    "mgigpo_ipc": ("vLLM ipc + staging", "every actor rank gets the full weights; each engine GPU maps the CUDA IPC "
+    IPC_BACKEND: ("vLLM ipc + staging", "every actor rank gets the full weights; each engine GPU maps the CUDA IPC "
                                          "buffer of the actor rank on that GPU"),
-    "mgigpo_shm": ("shared memory + staging", "the lowest actor rank of each engine node writes that node's "
+    SHM_BACKEND: ("shared memory + staging", "the lowest actor rank of each engine node writes that node's "
                                               "shared-memory file"),
-    "mgigpo_nccl": ("vLLM nccl + staging", "one NCCL group of rank {source} and the {workers} engine worker(s)"),
-    "mgigpo_gloo": ("gloo broadcast + staging", "one gloo group of rank {source} and the {workers} engine worker(s)"),
+    NCCL_BACKEND: ("vLLM nccl + staging", "one NCCL group of rank {source} and the {workers} engine worker(s)"),
+    GLOO_BACKEND: ("gloo broadcast + staging", "one gloo group of rank {source} and the {workers} engine worker(s)"),
 }
 
 
@@ -388,8 +389,8 @@ def weight_transfer_backend(weight_sync_mode: str, device: str) -> str:
     Every one is a key of :data:`WEIGHT_BACKENDS`."""
     gpu = device == "cuda"
     if weight_sync_mode == "colocated":
-        return "mgigpo_ipc" if gpu else "mgigpo_shm"
-    return "mgigpo_nccl" if gpu else "mgigpo_gloo"
+        return IPC_BACKEND if gpu else SHM_BACKEND
+    return NCCL_BACKEND if gpu else GLOO_BACKEND
 
 
 def weight_backend_errors(plan: PlacementPlan) -> list[str]:
