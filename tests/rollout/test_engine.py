@@ -120,27 +120,26 @@ def _scaled(weights: dict[str, torch.Tensor], factor: float) -> dict[str, torch.
     return {n: (t * factor if "norm" not in n else t) for n, t in weights.items()}
 
 
-def _push(group, sender, ray_session, weights, transport: str, bucket: int, reuse_shm: bool = True):
+def _push(group, sender, ray_session, weights, bucket: int, reuse_shm: bool = True):
     """One sync of ``weights`` (HF state dict) from the stand-in sender; returns ``(version, report)``."""
     version = 1 + max(v for v, _ in group.weights_version())
-    plan = prepare_sync(group, version=version, bucket_size_bytes=bucket, transport=transport, backend="gloo")
-    plan = dataclasses.replace(plan, reuse_shm=reuse_shm)
+    plan = prepare_sync(group, version=version, bucket_size_bytes=bucket, reuse_shm=reuse_shm)
     return version, ray_session.get(sender.push_weights.remote(plan, weights))
 
 
-@pytest.mark.parametrize("transport,bucket,reuse_shm,pool", [
-    pytest.param("shm", 1, True, "new", id="shm-new-pool"),
-    pytest.param("shm", 1, True, "reused", id="shm-reused-pool"),
-    pytest.param("shm", 40_000, False, "untouched", id="shm-one-off-files"),
-    pytest.param("broadcast", 40_000, True, "untouched", id="broadcast"),
+# The group's engines use mgigpo_shm (the CPU default); mgigpo_gloo is tested in tests/rollout/test_weight_sync.py.
+@pytest.mark.parametrize("bucket,reuse_shm,pool", [
+    pytest.param(1, True, "new", id="shm-new-pool"),
+    pytest.param(1, True, "reused", id="shm-reused-pool"),
+    pytest.param(40_000, False, "untouched", id="shm-one-off-files"),
 ])
 def test_sync_from_state_dict_serves_new_weights(group, sender, ray_session, tiny_qwen_dir, base_weights,
-                                                 transport, bucket, reuse_shm, pool):
+                                                 bucket, reuse_shm, pool):
     # Each case sets up the sender's shm bucket pool it claims (whatever ran before it).
     if pool == "new":
         ray_session.get(sender.release_sender_resources.remote())
     elif pool == "reused":  # an earlier sync of other weights left its files in the pool
-        _push(group, sender, ray_session, _scaled(base_weights, 1.1), "shm", bucket)
+        _push(group, sender, ray_session, _scaled(base_weights, 1.1), bucket)
     files_before = ray_session.get(sender.shm_pool_files.remote())
     version = 1 + max(v for v, _ in group.weights_version())
     new = _scaled(base_weights, 1.3 + 0.1 * version)
@@ -150,7 +149,7 @@ def test_sync_from_state_dict_serves_new_weights(group, sender, ray_session, tin
     stale = group.compute_log_probs(sequences)
     assert max(float((torch.tensor(s) - r).abs().max()) for s, r in zip(stale, reference, strict=True)) > 0.1
 
-    pushed, report = _push(group, sender, ray_session, new, transport, bucket, reuse_shm)
+    pushed, report = _push(group, sender, ray_session, new, bucket, reuse_shm)
     assert pushed == version
     expected = weights_checksum(new.items(), torch.float32)
     assert report.checksum == expected
@@ -161,7 +160,7 @@ def test_sync_from_state_dict_serves_new_weights(group, sender, ray_session, tin
         assert files_before == [] and len(files_after) == report.num_buckets
     elif pool == "reused":  # the same files again, none added
         assert len(files_before) == report.num_buckets and files_after == files_before
-    else:  # one-off files and broadcast leave the pool alone
+    else:  # one-off files (closed once the engines loaded them) leave the reused pool alone
         assert files_after == files_before
     got = group.compute_log_probs(sequences)
     for row, ref in zip(got, reference, strict=True):
@@ -217,7 +216,7 @@ def test_trainer_side_errors_abort_every_engine(group, sender, ray_session, base
     before = group.compute_log_probs(sequences)
     version = versions[0][0] + 1
     missing = {n: t for n, t in list(base_weights.items())[:-1]}
-    plan = prepare_sync(group, version=version, bucket_size_bytes=1 << 16, transport="shm", backend="gloo")
+    plan = prepare_sync(group, version=version, bucket_size_bytes=1 << 16)
     with pytest.raises(WeightSyncError, match="1 of .* weights were not sent"):
         ray_session.get(sender.push_weights.remote(plan, missing))
     renamed = dict(base_weights)
