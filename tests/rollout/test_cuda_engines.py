@@ -5,8 +5,6 @@ engine. The transports themselves run in tests/rollout/test_gpu_sync.py (gpu).""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 pytestmark = pytest.mark.unit
@@ -42,8 +40,7 @@ def test_vllm_creates_our_staged_engines_for_the_gpu_backend_names(cuda_engines)
         assert ours.finish_weight_update is not transport.finish_weight_update
         assert ours.init_info_cls is transport.init_info_cls
     # the trainer sides are vLLM's own ipc / nccl, dispatched on the init info's backend
-    spec = _spec()
-    plan = SimpleNamespace(bucket_size_bytes=1 << 10, spec=spec, engine_workers=(2, 1))
+    plan = _plan((2, 1), IPC_BACKEND)
     ipc = cuda_engines.ipc_trainer_init_info(plan, 1)
     nccl = cuda_engines.nccl_trainer_init_info(plan, 0, master_address="10.0.0.1", master_port=29555)
     assert (type(ipc).backend, ipc.rank, ipc.is_sender, ipc.packed) == ("ipc", 1, False, True)
@@ -71,23 +68,30 @@ def test_every_engine_gets_its_own_nccl_rank_range(cuda_engines):
     workers' ranks from 0, so two engines would both claim rank 1. The client hands each its own offset."""
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
 
+    from megatron_gigpo.rollout.transfer.client import EngineGroupClient
+    from megatron_gigpo.rollout.vllm_plugin import NCCL_BACKEND
+
     workers = (2, 1, 3)
-    payload = worker_init_payload(NCCLWeightTransferInitInfo(master_address="10.0.0.1", master_port=29555,
-                                                             rank_offset=1, world_size=1 + sum(workers),
-                                                             packed=True))
-    infos = cuda_engines.engine_init_infos(payload, workers)
+    trainer = cuda_engines.nccl_trainer_init_info(_plan(workers, NCCL_BACKEND), 0, master_address="10.0.0.1",
+                                                  master_port=29555)
+    # what vLLM's NCCLTrainerWeightTransferEngine.trainer_init sends to the client
+    payload = worker_init_payload(NCCLWeightTransferInitInfo(
+        master_address=trainer.master_address, master_port=trainer.master_port, rank_offset=1,
+        world_size=trainer.world_size, packed=trainer.packed, packed_buffer_size_bytes=trainer.packed_buffer_size_bytes,
+        packed_num_buffers=trainer.packed_num_buffers))
+    client = EngineGroupClient(["e0", "e1", "e2"], workers, timeout_s=1.0)
+    infos = client.per_engine_init_info(payload)
     ranks = [NCCLWeightTransferInitInfo(**info).rank_offset + r  # vLLM's worker rank: offset + its TP rank
              for info, n in zip(infos, workers) for r in range(n)]
-    assert ranks == list(range(1, 1 + sum(workers)))
-    assert all(info["world_size"] == 7 and info["master_port"] == 29555 for info in infos)
-    with pytest.raises(ValueError, match="world_size=7, but rank_offset=1 \\+ the engines' 5 workers"):
-        cuda_engines.engine_init_infos(payload, (2, 3))
-    shm = {"dtype": "float32", "node_key": "n0"}
-    assert cuda_engines.engine_init_infos(shm, workers) == [shm] * 3
+    assert ranks == list(range(1, trainer.world_size))  # rank 0 is the trainer
+    assert all(info["world_size"] == 7 and info["master_port"] == 29555 and info["packed"] for info in infos)
 
 
-def _spec():
-    from megatron_gigpo.rollout.weight_sync import WeightSpec
+def _plan(workers, backend):
+    from megatron_gigpo.rollout.weight_sync import SyncPlan, WeightSpec
 
-    return WeightSpec(shapes={"model.embed_tokens.weight": (64, 32), "model.norm.weight": (32,)},
+    spec = WeightSpec(shapes={"model.embed_tokens.weight": (64, 32), "model.norm.weight": (32,)},
                       optional={"lm_head.weight": (64, 32)}, dtype="float32")
+    return SyncPlan(engines=tuple(f"e{k}" for k in range(len(workers))), engine_workers=tuple(workers),
+                    engine_nodes=("n0",) * len(workers), version=1, bucket_size_bytes=1 << 10, spec=spec,
+                    backend=backend)

@@ -23,9 +23,11 @@ weights in host memory per engine worker. Cost per sync and worker: one D2H of t
 BLAKE3 (about 3 GB/s here) of it.
 
 Trainer side: vLLM's own ``ipc`` / ``nccl`` trainer engines; :func:`ipc_trainer_init_info` and
-:func:`nccl_trainer_init_info` build their init infos (packed) for a sync plan, and :func:`engine_init_infos`
-gives each engine its own NCCL ``rank_offset`` (vLLM's trainer sends every engine ``rank_offset=1``, which
-collides for two or more engines).
+:func:`nccl_trainer_init_info` build their init infos (packed) for a sync plan. vLLM's ``nccl`` trainer sends
+every engine the same worker init info with ``rank_offset=1``, and each engine's workers count their ranks from 0,
+so two engines would both claim group rank 1: the client
+(:meth:`megatron_gigpo.rollout.transfer.client.EngineGroupClient.per_engine_init_info`) gives engine k
+``rank_offset = 1 + workers of the engines before k``.
 
 Importing this module needs vLLM >= 0.32 but no GPU (vLLM's CUDA modules import on CPU).
 """
@@ -63,7 +65,6 @@ __all__ = [
     "StagedNCCLWeightTransferEngine",
     "ipc_trainer_init_info",
     "nccl_trainer_init_info",
-    "engine_init_infos",
     "packed_buffer_bytes",
 ]
 
@@ -231,8 +232,7 @@ def nccl_trainer_init_info(plan: Any, rank: int, *, master_address: str | None =
     """vLLM's ``nccl`` trainer init info of actor rank ``rank``: one NCCL group of the sender (group rank 0) and
     every worker of every engine (``world_size = 1 + sum(plan.engine_workers)``), packed chunks of
     :func:`packed_buffer_bytes`, vLLM's default double buffering. Only rank 0's address and port are used (it
-    hosts the rendezvous); the engines' ``rank_offset`` must be made per engine by the client
-    (:func:`engine_init_infos`).
+    hosts the rendezvous); the client makes the engines' ``rank_offset`` per engine (module docstring).
 
     Args:
         plan: the sync plan: reads ``engine_workers`` (vLLM workers per engine) and :func:`packed_buffer_bytes`'s.
@@ -245,25 +245,3 @@ def nccl_trainer_init_info(plan: Any, rank: int, *, master_address: str | None =
         rank=rank, master_address=master_address or get_ip(), master_port=master_port or get_open_port(),
         world_size=1 + sum(int(w) for w in plan.engine_workers), packed=True,
         packed_buffer_size_bytes=packed_buffer_bytes(plan), packed_num_buffers=DEFAULT_PACKED_NUM_BUFFERS)
-
-
-def engine_init_infos(init_info: dict[str, Any], engine_workers: Sequence[int]) -> list[dict[str, Any]]:
-    """The worker init info each engine gets: for a group backend (``rank_offset`` in ``init_info``: vLLM's
-    ``nccl``, our ``mgigpo_gloo``) engine k's workers join at ``rank_offset + sum(engine_workers[:k])`` (vLLM's
-    trainer sends one ``rank_offset=1`` to every engine, and each engine's workers count their ranks from 0);
-    otherwise the same dict for every engine.
-
-    Raises:
-        ValueError: ``world_size`` differs from ``rank_offset + sum(engine_workers)``.
-    """
-    if "rank_offset" not in init_info:
-        return [dict(init_info) for _ in engine_workers]
-    first, world = int(init_info["rank_offset"]), init_info.get("world_size")
-    if world is not None and int(world) != first + sum(engine_workers):
-        raise ValueError(f"weight-transfer group world_size={world}, but rank_offset={first} + the engines' "
-                         f"{sum(engine_workers)} workers ({list(engine_workers)}) = {first + sum(engine_workers)}")
-    out, offset = [], first
-    for workers in engine_workers:
-        out.append({**init_info, "rank_offset": offset})
-        offset += int(workers)
-    return out
