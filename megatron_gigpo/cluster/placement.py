@@ -150,7 +150,9 @@ class EnginePlacement:
         workers: vLLM's Ray workers (GPU, TP > 1), else empty (vLLM runs inside ``host``).
         executor: ``distributed_executor_backend`` for ``vllm.LLM`` (``"ray"``, ``"mp"``, ``"uni"``; None: vLLM's
             default, GPU TP 1).
-        env_vars: environment of the engine actor (``VLLM_RAY_BUNDLE_INDICES``, ``VLLM_RAY_PER_WORKER_GPUS``).
+        env_vars: environment of the engine actor (``VLLM_RAY_BUNDLE_INDICES``, ``VLLM_RAY_PER_WORKER_GPUS``;
+            ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` for ``mgigpo_ipc``, whose CUDA IPC handles vLLM's engine core
+            passes to its workers only pickled).
     """
 
     index: int
@@ -331,12 +333,15 @@ def _gpu_engines(cfg: RecipeLayout, cluster: ClusterShape, world: int, colocated
         starts = _first_fit(world, r.num_engines, k, cluster) or []
         share = 1.0
     out = []
+    # mgigpo_ipc: vLLM's engine core hands the CUDA IPC handles (tuples holding torch types) to its workers through
+    # its msgpack RPC, which pickles such objects only with this set (vLLM's own colocated RL examples set it too).
+    ipc_env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if colocated else {}
     for e, (node, first) in enumerate(starts):
         span = tuple(range(first, first + k))
         if k == 1:
             take(node, first, GPU_SLOT_CPUS, share)
             host = Slot("engine", e, node, first, GPU_SLOT_CPUS, share, (first,))
-            out.append(EnginePlacement(e, k, node, span, span, colocated, host))
+            out.append(EnginePlacement(e, k, node, span, span, colocated, host, env_vars=dict(ipc_env)))
             continue
         # vLLM's Ray executor: the engine actor holds no GPU; one worker per bundle, each `share` of its GPU.
         take(node, first, GPU_SLOT_CPUS, 0.0)
@@ -345,7 +350,7 @@ def _gpu_engines(cfg: RecipeLayout, cluster: ClusterShape, world: int, colocated
         for w, b in enumerate(span):
             take(node, b, 0.0, share)
             workers.append(Slot("engine_worker", e, node, b, 0.0, share, (b,), worker=w))
-        env = {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, span)), "VLLM_RAY_PER_WORKER_GPUS": str(share)}
+        env = {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, span)), "VLLM_RAY_PER_WORKER_GPUS": str(share), **ipc_env}
         out.append(EnginePlacement(e, k, node, span, span, colocated, host, tuple(workers), "ray", env))
     return out
 

@@ -292,6 +292,9 @@ def test_the_plan_decides_the_weight_transfer_backend(recipe, overrides, backend
     plan = plan_placement(load_config(RECIPES / recipe, overrides))
     assert plan.weight_backend == backend
     assert f"weight sync: {backend} (" in format_plan(plan)
+    # vLLM's engine core passes mgigpo_ipc's CUDA IPC handles to its workers only pickled
+    assert {e.env_vars.get("VLLM_ALLOW_INSECURE_SERIALIZATION") for e in plan.engines} == {
+        "1" if backend == "mgigpo_ipc" else None}
 
 
 def test_plan_of_a_model_family_without_mapping_prints_no_estimate(tmp_path, capsys):

@@ -7,6 +7,7 @@ trainer-side error keep the served weights and version; the next sync works."""
 from __future__ import annotations
 
 from importlib.util import find_spec
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from megatron_gigpo.rollout.errors import WeightSyncError
 from megatron_gigpo.rollout.vllm_plugin import IPC_BACKEND, NCCL_BACKEND
 from rollout_testlib import hf_log_probs, random_prompts
 
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 pytestmark = [pytest.mark.gpu, pytest.mark.integration, pytest.mark.slow,
               pytest.mark.skipif(find_spec("vllm") is None or find_spec("ray") is None,
                                  reason="needs the GPU install: vLLM >= 0.32 (CUDA) and Ray (docs/gpu-install.md)")]
@@ -50,6 +52,19 @@ class GpuRank:
                 trainer.client = client
 
 
+def plan_placement_env(backend: str) -> dict[str, str]:
+    """The engine environment the run's placement plan gives an engine of ``backend`` (one GPU engine, TP 1)."""
+    from megatron_gigpo.cluster.placement import ClusterShape, plan_placement
+    from megatron_gigpo.config import load_config
+
+    mode = "colocated" if backend == IPC_BACKEND else "disaggregated"
+    cfg = load_config(RECIPES / "alfworld/qwen2.5-1.5b-instruct.yaml",
+                      [f"rollout.weight_sync_mode={mode}", "rollout.num_engines=1", "rollout.tensor_parallel_size=1",
+                       "trainer.devices_per_node=2", "parallel.tensor_model_parallel_size=1"])
+    (engine,) = plan_placement(cfg, ClusterShape(1, 2)).engines
+    return dict(engine.env_vars)
+
+
 @pytest.fixture(scope="module", params=[IPC_BACKEND, NCCL_BACKEND])
 def gpu_sync(request, ray_session, tiny_qwen_dir):
     """``(group, rank)``: one engine of ``request.param`` and a trainer rank; IPC: both on GPU 0 (Ray GPU shares,
@@ -62,7 +77,8 @@ def gpu_sync(request, ray_session, tiny_qwen_dir):
                     "detected', NCCL >= 2.5); needs a second GPU")
     rollout = RolloutConfig(num_engines=1, prompt_length=128, response_length=128, gpu_memory_utilization=0.2)
     group = RolloutEngineGroup(str(tiny_qwen_dir), rollout, dtype="float32", enable_sleep_mode=True, seed=0,
-                               weight_transfer_backend=request.param, ray_options={"num_gpus": 0.4 if ipc else 1})
+                               weight_transfer_backend=request.param, ray_options={"num_gpus": 0.4 if ipc else 1},
+                               env_vars=plan_placement_env(request.param))
     rank = ray_session.remote(GpuRank).options(num_gpus=0.5 if ipc else 1, num_cpus=0).remote()
     yield group, rank
     ray_session.kill(rank)
