@@ -55,3 +55,18 @@ def test_engine_config_refuses_an_unknown_backend(tmp_path):
     assert EngineConfig(model_path=str(tmp_path), dtype="float32").weight_transfer_backend is None
     with pytest.raises(ValueError, match=r"EngineConfig.weight_transfer_backend='nccl'; expected None or one of"):
         EngineConfig(model_path=str(tmp_path), dtype="float32", weight_transfer_backend="nccl")
+
+
+def test_engine_refuses_to_start_without_its_backends(tmp_path, monkeypatch):
+    """Before vLLM starts: a CUDA backend on the CPU, and a plugin vLLM's processes would not load."""
+    import torch
+
+    from megatron_gigpo.rollout.engine import EngineConfig, RolloutEngine
+
+    (tmp_path / "config.json").write_text(json.dumps({}))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="weight_transfer_backend='mgigpo_ipc' needs CUDA"):
+            RolloutEngine(EngineConfig(model_path=str(tmp_path), dtype="float32", weight_transfer_backend="mgigpo_ipc"))
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
+    with pytest.raises(RuntimeError, match="rollout engine: VLLM_PLUGINS=.* leaves out the plugin 'megatron_gigpo'"):
+        RolloutEngine(EngineConfig(model_path=str(tmp_path), dtype="float32"))
