@@ -256,7 +256,9 @@ class RolloutEngine:
             seq = out.outputs[0]
             ids = list(seq.token_ids)
             log_probs = [float(step[tok].logprob) for tok, step in zip(ids, seq.logprobs)] if seq.logprobs else []
-            results.append(GenerationResult(ids, log_probs, str(seq.finish_reason), seq.text))
+            spans = seq.weight_versions or ()
+            version = min((_version_number(span.version) for span in spans), default=self.weights_version()[0])
+            results.append(GenerationResult(ids, log_probs, str(seq.finish_reason), seq.text, version))
         return results
 
     def compute_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:

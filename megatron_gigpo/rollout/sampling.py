@@ -77,12 +77,17 @@ class GenerationResult:
             ``logprobs_mode`` is ``processed_logprobs`` (after temperature / top-k / top-p).
         finish_reason: ``"stop"`` (EOS or stop string) or ``"length"``.
         text: detokenized response without the stop string.
+        weight_version: the policy version whose weights sampled the response: vLLM's weight version of the
+            output tokens (``CompletionOutput.weight_versions``, set by ``finish_weight_update(weight_version)``;
+            ``"default"``, the start checkpoint, is 0). Were a response sampled across a weight update, the oldest
+            version that sampled any of its tokens.
     """
 
     response_ids: list[int]
     log_probs: list[float]
     finish_reason: str
     text: str
+    weight_version: int = 0
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,9 @@
 
 One :class:`RolloutEngine` and its vLLM engine core in this process, its worker in a *spawned* process (executor
 "mp", ``VLLM_WORKER_MULTIPROC_METHOD=spawn``): nothing registered in this process reaches the worker, which finds
-the backend only through the package's ``vllm.general_plugins`` entry point. The trainer side is vLLM's
-``WeightTransferTrainerFactory.trainer_init`` / ``send_weights`` with our shm trainer engine, through a client over
-the engine's protocol methods (start, one ``update_weights`` per bucket, commit, ``finish_weight_update(version)``).
+the backend only through the package's ``vllm.general_plugins`` entry point. The trainer side is the sequence of
+protocol calls a trainer engine makes (start, one ``update_weights`` per bucket, commit,
+``finish_weight_update(version)``; the trainer engines themselves are tested through ``weight_sync``).
 Checks: the backend is the worker's engine, in another process; an update makes vLLM's log-probs equal
 transformers' with the new weights and sets vLLM's weight version; a tampered bucket, a trainer failure
 mid-update and a finish without commit all leave the served weights, version and checksum as they were; the
@@ -22,51 +22,12 @@ from safetensors.torch import load_file
 
 from megatron_gigpo.rollout.checksum import weights_checksum
 from megatron_gigpo.rollout.errors import WeightSyncError
+from megatron_gigpo.rollout.sampling import SamplingConfig
 from rollout_testlib import ENGINE_KWARGS, hf_log_probs, random_prompts, shm_chunk
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ATOL_FP32 = 1e-3
-
-
-class EngineClient:
-    """vLLM's ``VLLMWeightSyncClient`` over an in-process :class:`RolloutEngine`, for one update to ``version``;
-    ``tamper_bucket``: that bucket's first digest is replaced (the bytes the worker maps are not those hashed)."""
-
-    def __init__(self, engine, version: int, tamper_bucket: int | None = None):
-        self.engine, self.version, self.tamper_bucket, self.buckets = engine, version, tamper_bucket, 0
-
-    def init_weight_transfer_engine(self, init_info):
-        self.engine.init_weight_transfer_engine(init_info)
-
-    def start_weight_update(self):
-        self.engine.start_weight_update(self.version)
-
-    def update_weights(self, update_info):
-        if "paths" in update_info:
-            if self.buckets == self.tamper_bucket:
-                update_info = dict(update_info, digests=["00" * 32] + update_info["digests"][1:])
-            self.buckets += 1
-        self.engine.update_weights(update_info)
-
-    def finish_weight_update(self, weight_version=None):
-        self.engine.finish_weight_update(weight_version)
-
-
-def _source(weights: dict[str, torch.Tensor], fail_after: int | None = None):
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-
-    class DictSource(WeightSource):
-        def metadata(self):
-            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in weights.items()]
-
-        def __iter__(self):
-            for i, item in enumerate(weights.items()):
-                if fail_after is not None and i == fail_after:
-                    raise RuntimeError("export failed")
-                yield item
-
-    return DictSource()
 
 
 @pytest.fixture(scope="module")
@@ -90,23 +51,39 @@ def engine(tiny_qwen_dir):
 
 @pytest.fixture(scope="module")
 def send(engine):
-    """``send(weights, **faults)``: one update to the engine's next version through vLLM's trainer factory."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-    from megatron_gigpo.rollout.transfer.cpu_trainers import SharedMemoryTrainerInitInfo
-    from megatron_gigpo.rollout.vllm_plugin import register
-
-    register()  # the trainer process's own registry (vLLM ran the plugins only in the processes it started)
+    """``send(weights, **faults)``: one update to the engine's next version, driven through the protocol calls a
+    trainer engine makes (start, one bucket chunk per ``bucket_size_bytes``, commit, finish with the version).
+    ``tamper_bucket``: that bucket's first digest is replaced (the bytes the worker maps are not those hashed);
+    ``fail_after``: the trainer fails after that many tensors, aborts the update and raises."""
+    from megatron_gigpo.rollout.checksum import combine_digests
 
     def run(weights, *, bucket_size_bytes=1 << 16, fail_after=None, tamper_bucket=None) -> int:
         version = engine.weights_version()[0] + 1
-        info = SharedMemoryTrainerInitInfo(rank=0, dtype="float32", bucket_size_bytes=bucket_size_bytes)
-        trainer = WeightTransferTrainerFactory.trainer_init(
-            info, client=EngineClient(engine, version, tamper_bucket), source=_source(weights, fail_after))
+        engine.init_weight_transfer_engine({"dtype": "float32", "node_key": "local"})
+        engine.start_weight_update(version)
+        buckets, files, digests = [[]], [], {}
+        for name, tensor in weights.items():
+            if buckets[-1] and sum(t.numel() * 4 for _, t in buckets[-1]) + tensor.numel() * 4 > bucket_size_bytes:
+                buckets.append([])
+            buckets[-1].append((name, tensor))
         try:
-            trainer.send_weights(str(version))
+            for i, bucket in enumerate(buckets):
+                if fail_after is not None and sum(len(b) for b in buckets[:i + 1]) > fail_after:
+                    raise RuntimeError("export failed")
+                chunk, shm = shm_chunk(bucket)
+                files.append(shm)
+                digests.update((name, bytes.fromhex(d)) for (name, _), d in zip(bucket, chunk["digests"]))
+                if i == tamper_bucket:
+                    chunk["digests"] = ["00" * 32] + chunk["digests"][1:]
+                engine.update_weights(chunk)
+            engine.update_weights({"commit": combine_digests(digests)})
+            engine.finish_weight_update(str(version))
+        except BaseException:
+            engine.abort_weight_update()
+            raise
         finally:
-            trainer.shutdown()
+            for shm in files:
+                shm.close()
         return version
     return run
 
@@ -139,6 +116,8 @@ def test_update_loads_new_weights_and_sets_the_version(engine, send, tiny_qwen_d
     assert engine.llm.get_weight_version() == str(version)
     assert engine.weights_version() == (version, weights_checksum(new.items(), torch.float32))
     assert _close(engine.compute_log_probs(sequences), expected)
+    sampled = engine.generate(sequences, SamplingConfig(max_tokens=4, temperature=1.0, seed=7))
+    assert [r.weight_version for r in sampled] == [version] * len(sequences)  # vLLM's spans, read back
 
 
 @pytest.mark.parametrize("fault", ["tampered_bucket", "trainer_error", "finish_without_commit"])
