@@ -2,8 +2,11 @@
 
 Part 1, sync time (target: <= 3x a plain copy of the same bytes). For each model, Megatron ranks run as Ray
 actors (gloo), a ``RolloutEngine`` actor serves the model, and ``weight_sync.sync_weights`` pushes the
-actor's weights (export + cast + pack + hash + transport + engine checksum + in-place load + prefix-cache
-reset). In the same run, the time of one ``torch`` copy of the same number of bytes is measured.
+actor's weights through vLLM's weight-transfer protocol with the colocated CPU backend ``mgigpo_shm`` (export +
+cast + pack + hash + transport + staging + commit checksum + in-place load + prefix-cache reset). In the same run
+and alternating with it, the old path (main's ``shm`` sync before #39, kept in ``benchmarks/_old_sync.py`` only:
+same export, packing and hashing, its own engine-side staging through a worker extension of a second, bare vLLM
+engine) pushes the same weights, and one warm ``torch`` copy of the same number of bytes is timed.
 
 - SmolLM2-135M-Instruct (``builtin:smollm2-135m-instruct``, Llama, 9 heads: TP2 impossible) from a PP2 actor.
 - A Qwen2-shaped model of similar size (random weights, 640 hidden, 10 heads / 2 KV heads, 24 layers,
@@ -79,6 +82,16 @@ class BenchRank:
                                     dtype=plan.export_dtype)
         return push_weights(buckets, plan)
 
+    def old_push(self, engine, version: int, dtype: str, bucket_size_bytes: int, timeout_s: float):
+        """The pre-#39 path (benchmarks/_old_sync.py); ``engine`` on rank 0 only, None elsewhere."""
+        from _old_sync import old_push
+
+        from megatron_gigpo.models.weights import export_hf_weights
+        from megatron_gigpo.rollout.transport import dtype_from_name
+
+        buckets = export_hf_weights(self.model, bucket_size_bytes=bucket_size_bytes, dtype=dtype_from_name(dtype))
+        return old_push(buckets, engine if self.rank == 0 else None, version, dtype, timeout_s)
+
 
 def qwen2_shaped_model(root: Path, tokenizer_dir: Path) -> Path:
     """Write the random Qwen2-shaped model (once) with SmolLM2's tokenizer."""
@@ -120,40 +133,51 @@ def copy_seconds(nbytes: int, repeats: int = 5) -> tuple[float, float]:
 def bench_sync(name: str, model_dir: Path, tp: int, pp: int, args) -> dict[str, Any]:
     import ray
 
+    from _old_sync import OldEngine
+
     from megatron_gigpo.rollout.engine import EngineConfig, RolloutEngine
     from megatron_gigpo.rollout.weight_sync import sync_weights
 
     world = tp * pp
     ranks = [ray.remote(BenchRank).options(num_cpus=0.5).remote(r, world) for r in range(world)]
-    engine = RolloutEngine.launch(EngineConfig(model_path=str(model_dir), dtype=args.dtype, rollout=_rollout(),
+    rollout = _rollout()
+    engine = RolloutEngine.launch(EngineConfig(model_path=str(model_dir), dtype=args.dtype, rollout=rollout,
+                                               distributed_executor_backend="uni", weight_transfer_backend="mgigpo_shm",
                                                env_vars={"VLLM_LOGGING_LEVEL": "WARNING"}))
+    old_engine = ray.remote(OldEngine).options(num_cpus=0.5, runtime_env={"env_vars": {"VLLM_LOGGING_LEVEL": "WARNING"}}
+                                               ).remote(str(model_dir), args.dtype, int(rollout.cpu_kvcache_space_gib * (1 << 30)))
     try:
         addr, port = get_with_deadline(ranks[0].address.remote(), args.timeout_s, "BenchRank.address")
         params = get_with_deadline([r.init.remote(addr, port, str(model_dir), tp, pp) for r in ranks], args.timeout_s,
                                    "BenchRank.init on the ranks")
-        get_with_deadline(engine.ready.remote(), args.timeout_s, "RolloutEngine.ready")
-        rows = []
-        for version in range(1, args.repeats + 2):  # the first sync warms up (Ray, broadcast, allocator)
+        get_with_deadline([engine.ready.remote(), old_engine.ready.remote()], args.timeout_s, "engines ready")
+        rows, old_rows = [], []
+        for version in range(1, args.repeats + 2):  # the first round warms up (Ray, shm files, allocator)
             tick = time.perf_counter()
             metrics = sync_weights(ranks, [engine], version=version, bucket_size_bytes=args.bucket_mb << 20,
-                                   # a colocated CPU plan's transport
-                                   transport="shm", backend="gloo", timeout_s=args.timeout_s)
+                                   timeout_s=args.timeout_s)
             metrics["wall_s"] = time.perf_counter() - tick
+            tick = time.perf_counter()
+            old = get_with_deadline([r.old_push.remote(old_engine, version, args.dtype, args.bucket_mb << 20,
+                                                       args.timeout_s) for r in ranks], args.timeout_s, "old push")[0]
+            old["wall_s"] = time.perf_counter() - tick
             if version > 1:
                 rows.append(metrics)
+                old_rows.append(old)
         nbytes = int(rows[0]["weight_sync/bytes"])
         cold, warm = copy_seconds(nbytes)
         wall = statistics.median(r["wall_s"] for r in rows)
+        old_wall = statistics.median(r["wall_s"] for r in old_rows)
         parts = {k.removeprefix("weight_sync/"): statistics.median(r[k] for r in rows)
                  for k in rows[0] if k.endswith("_s") and k.startswith("weight_sync/") and "per_s" not in k}
-        transport = parts["pack_s"] + parts["hash_s"] + parts["send_s"]
+        old_parts = {k: statistics.median(r[k] for r in old_rows) for k in old_rows[0] if k != "wall_s"}
         return {"model": name, "layout": f"TP{tp} PP{pp}", "params": sum(params) // tp, "bytes": nbytes,
-                "sync_s": wall, "copy_cold_s": cold, "copy_warm_s": warm, "ratio_cold": wall / cold,
-                "ratio_warm": wall / warm, "transport_s": transport, "transport_ratio_warm": transport / warm,
-                "parts": parts}
+                "sync_s": wall, "old_sync_s": old_wall, "copy_cold_s": cold, "copy_warm_s": warm,
+                "ratio_warm": wall / warm, "old_ratio_warm": old_wall / warm, "parts": parts, "old_parts": old_parts}
     finally:
-        get_with_deadline(engine.shutdown.remote(), args.timeout_s, "RolloutEngine.shutdown")
-        for actor in ranks + [engine]:
+        for actor in (engine, old_engine):
+            get_with_deadline(actor.shutdown.remote(), args.timeout_s, "engine shutdown")
+        for actor in ranks + [engine, old_engine]:
             ray.kill(actor)
 
 
@@ -236,24 +260,30 @@ def main(argv: list[str] | None = None) -> int:
     root = cache_root() / "models"
     qwen2 = qwen2_shaped_model(root, smollm2)
     out: dict[str, Any] = {"dtype": args.dtype, "bucket_mb": args.bucket_mb}
-    with local_ray_env():  # token auth with this run's own token, removed afterwards
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    with local_ray_env() as env:  # token auth with this run's own token, removed afterwards
+        # benchmarks/ on every actor's path: the old path's module (its vLLM worker extension is imported by name)
+        path = os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": path, **env}})
         try:
             if args.part in ("all", "sync"):
                 out["sync"] = [bench_sync("SmolLM2-135M", smollm2, 1, 2, args),
                                bench_sync("Qwen2-shaped-137M", qwen2, 2, 1, args)]
-                print(f"\nweight sync ({args.dtype} transfer, {args.bucket_mb} MiB buckets, median of {args.repeats}):")
-                print(f"{'model':<20}{'actor':<9}{'MB':>6}{'sync s':>8}{'copy s cold/warm':>18}"
-                      f"{'ratio cold/warm':>17}{'transport/warm':>16}   breakdown (s)")
+                print(f"\nweight sync ({args.dtype} transfer, {args.bucket_mb} MiB buckets, median of {args.repeats}; "
+                      "new = vLLM protocol + mgigpo_shm, old = main's shm path):")
+                print(f"{'model':<20}{'actor':<9}{'MB':>6}{'new s':>8}{'old s':>8}{'warm copy s':>13}"
+                      f"{'new/copy':>10}{'old/copy':>10}   breakdown new | old (s)")
                 for row in out["sync"]:
                     parts = " ".join(f"{k.removesuffix('_s')}={v:.2f}" for k, v in row["parts"].items()
                                      if k not in ("total_s", "gb_per_s"))
+                    old_parts = " ".join(f"{k.removesuffix('_s')}={v:.2f}" for k, v in row["old_parts"].items()
+                                         if k != "total_s")
                     print(f"{row['model']:<20}{row['layout']:<9}{row['bytes'] / 1e6:>6.0f}{row['sync_s']:>8.2f}"
-                          f"{row['copy_cold_s']:>10.3f}/{row['copy_warm_s']:.3f}"
-                          f"{row['ratio_cold']:>9.1f}x/{row['ratio_warm']:.1f}x"
-                          f"{row['transport_ratio_warm']:>15.1f}x   {parts}")
-                print("target: sync <= 3x copy. 'transport' = pack + hash + send (this package's part); export is "
-                      "Megatron's TP/PP gather, commit is the engines' checksum check + vLLM's in-place reload.")
+                          f"{row['old_sync_s']:>8.2f}{row['copy_warm_s']:>13.3f}{row['ratio_warm']:>9.1f}x"
+                          f"{row['old_ratio_warm']:>9.1f}x   {parts} | {old_parts}")
+                print("target: sync <= 3x copy. export is Megatron's TP/PP gather (both paths), commit the engines' "
+                      "checksum check + vLLM's in-place reload.")
             if args.part in ("all", "throughput"):
                 out["throughput"] = bench_throughput(smollm2, args)
                 t = out["throughput"]

@@ -347,15 +347,12 @@ class RunContext(StartedStack):
         return None
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        from megatron_gigpo.cluster.placement import weight_relays
         from megatron_gigpo.rollout.weight_sync import sync_weights
 
-        # The plan's transport; engines on other nodes than rank 0's get the weights through their node's leader rank
-        # (the plan's relays).
+        # The backend is the engines' (started with the plan's weight_backend); every engine node has an actor rank.
         metrics = sync_weights(self.actors, self.engines, version=version,
-                               bucket_size_bytes=self.cfg.rollout.bucket_size_mb << 20, transport=self.plan.transport,
-                               backend=self.plan.collective_backend,
-                               timeout_s=self.cfg.trainer.timeouts.weight_sync_s, relays=weight_relays(self.plan))
+                               bucket_size_bytes=self.cfg.rollout.bucket_size_mb << 20,
+                               timeout_s=self.cfg.trainer.timeouts.weight_sync_s)
         # A float fingerprint of what the engines now serve (the full checksum is checked inside the sync).
         _, checksum = self.engines.weights_version()[0]
         metrics["weight_sync/checksum_fp"] = float(int(checksum[:8], 16))
@@ -503,7 +500,7 @@ def _build_engines(cfg: Config, model_dir: Path, plan, groups, *, wait: bool = T
         str(model_dir), cfg.rollout, dtype=cfg.model.params_dtype(cfg.trainer.device),
         ray_options=[engine_options(groups, e) for e in plan.engines], timeouts=cfg.trainer.timeouts,
         distributed_executor_backend=plan.engines[0].executor, seed=cfg.trainer.seed,
-        num_cpus=plan.engines[0].host.num_cpus, wait=wait,
+        num_cpus=plan.engines[0].host.num_cpus, weight_transfer_backend=plan.weight_backend, wait=wait,
     )
 
 

@@ -30,8 +30,8 @@ LOG_DIR_ENV = "MEGATRON_GIGPO_LOG_DIR"
 _FORMAT = "%(asctime)s %(levelname)s %(name)s [pid %(process)d] %(message)s"
 
 # Warnings that are known and harmless here, kept off the terminal (they stay in the files):
-# - every weight sync: vLLM's layer-wise reload skips the rotary buffers and the tied head, which the worker
-#   extension refreshes itself (rollout/worker_extension.py);
+# - every weight sync: vLLM's layer-wise reload skips the rotary buffers and the tied head, which our
+#   weight-transfer backends refresh themselves (rollout/transfer/staged.py);
 # - vLLM on CPU: notices about GPU-only features and optional CPU libraries at engine start;
 # - the in-process CPU engine (rollout/engine.py sets torch's thread pool itself before vLLM binds threads,
 #   and the engine actor's process runs nothing else that draws from the global random generators).

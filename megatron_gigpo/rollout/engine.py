@@ -1,8 +1,9 @@
-"""vLLM rollout engines as Ray actors: generation with per-token log-probs, and the weight-sync endpoint.
+"""vLLM rollout engines as Ray actors: generation with per-token log-probs, and the engine end of the weight sync.
 
 :class:`RolloutEngine` hosts one ``vllm.LLM`` (its own tensor-parallel size; ``enforce_eager`` on CPU, where
 vLLM's Ray executor does not work, so vLLM runs inside our actor with its multiprocess executor) plus the
-:class:`~megatron_gigpo.rollout.worker_extension.WeightSyncWorkerExtension`. :class:`RolloutEngineGroup`
+:class:`~megatron_gigpo.rollout.worker_extension.WeightSyncWorkerExtension`, and serves vLLM's weight-transfer
+protocol with one of our backends (:mod:`megatron_gigpo.rollout.vllm_plugin`). :class:`RolloutEngineGroup`
 starts K engines and splits each batch over them in contiguous chunks (data parallel), preserving order.
 
 Sampling seeds are per prompt (``seed + global prompt index``), so results do not depend on how a batch is
@@ -12,6 +13,7 @@ split over engines. Upstream API: vLLM ``LLM.generate`` / ``SamplingParams`` / `
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -24,9 +26,10 @@ from megatron_gigpo.rollout.config import RolloutConfig
 from megatron_gigpo.run.config import TimeoutsConfig
 from megatron_gigpo.deadlines import get_with_deadline
 from megatron_gigpo.fields import field_errors
-from megatron_gigpo.rollout.transport import BucketLayout
-from megatron_gigpo.rollout.weight_sync import WeightSpec, WeightSyncError, read_checkpoint_spec
-from megatron_gigpo.rollout.checksum import combine_digests
+from megatron_gigpo.rollout import vllm_plugin
+from megatron_gigpo.rollout.errors import WeightSyncError
+from megatron_gigpo.rollout.sampling import GenerationResult, SamplingConfig, TokenizerInfo
+from megatron_gigpo.rollout.weight_sync import WeightSpec, read_checkpoint_spec
 
 __all__ = [
     "SamplingConfig",
@@ -42,91 +45,6 @@ log = logging.getLogger(__name__)
 _EXTENSION = "megatron_gigpo.rollout.worker_extension.WeightSyncWorkerExtension"
 _DTYPES = ("float32", "bfloat16", "float16")
 _LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """Sampling settings of one ``generate`` call (mirrors vLLM ``SamplingParams``).
-
-    Attributes:
-        temperature: >= 0; 0 is greedy (deterministic, for evaluation).
-        top_p: nucleus mass in (0, 1].
-        top_k: -1 (or 0) for all tokens, else >= 1.
-        max_tokens: new tokens per prompt, >= 1.
-        stop: stop strings; the returned text excludes them, ``response_ids`` end with the token that
-            completed one.
-        seed: None for fresh randomness; else prompt i of a batch samples with seed ``seed + i``.
-        logprobs: return the log-prob of each sampled token.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 256
-    stop: Sequence[str] = ()
-    seed: int | None = None
-    logprobs: bool = True
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"SamplingConfig.temperature={self.temperature} must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingConfig.top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < -1:
-            raise ValueError(f"SamplingConfig.top_k={self.top_k} must be -1, 0 or >= 1")
-        if self.max_tokens < 1:
-            raise ValueError(f"SamplingConfig.max_tokens={self.max_tokens} must be >= 1")
-        if isinstance(self.stop, str):
-            raise ValueError(f"SamplingConfig.stop={self.stop!r} must be a list of strings, not a string")
-
-    @classmethod
-    def greedy(cls, max_tokens: int, stop: Sequence[str] = ()) -> "SamplingConfig":
-        """Deterministic decoding for evaluation (temperature 0)."""
-        return cls(temperature=0.0, top_p=1.0, top_k=-1, max_tokens=max_tokens, stop=tuple(stop), seed=0)
-
-    def to_vllm(self, index: int):
-        """``vllm.SamplingParams`` for the prompt at global batch position ``index``."""
-        from vllm import SamplingParams
-
-        return SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=max(self.top_k, 0),
-            max_tokens=self.max_tokens,
-            stop=list(self.stop) or None,
-            seed=None if self.seed is None else self.seed + index,
-            logprobs=0 if self.logprobs else None,
-        )
-
-
-@dataclass
-class GenerationResult:
-    """One response.
-
-    Attributes:
-        response_ids: generated token ids (R,).
-        log_probs: log-prob of each generated token under the engine's weights, float (R,) (empty when
-            ``SamplingConfig.logprobs`` is False); raw model log-probs unless the engine's
-            ``logprobs_mode`` is ``processed_logprobs`` (after temperature / top-k / top-p).
-        finish_reason: ``"stop"`` (EOS or stop string) or ``"length"``.
-        text: detokenized response without the stop string.
-    """
-
-    response_ids: list[int]
-    log_probs: list[float]
-    finish_reason: str
-    text: str
-
-
-@dataclass(frozen=True)
-class TokenizerInfo:
-    """What callers need to build prompts for this engine."""
-
-    name_or_path: str
-    vocab_size: int
-    eos_token_id: int | None
-    pad_token_id: int | None
-    bos_token_id: int | None
 
 
 @dataclass(frozen=True)
@@ -151,6 +69,10 @@ class EngineConfig:
             ``VLLM_RAY_BUNDLE_INDICES`` of the engine actor's placement group; ``"mp"``: worker processes inside
             the engine actor; ``"uni"``: one worker in the engine's process, and on CPU the engine core too,
             see :func:`_in_process_cpu_engine`); None: vLLM's default. Set by the placement plan.
+        weight_transfer_backend: the vLLM weight-transfer backend of the live weight sync, one of
+            :data:`megatron_gigpo.rollout.vllm_plugin.BACKENDS` (``mgigpo_shm`` / ``mgigpo_gloo`` on CPU,
+            ``mgigpo_ipc`` / ``mgigpo_nccl`` on CUDA); None: ``mgigpo_ipc`` with CUDA, ``mgigpo_shm`` on CPU. Set
+            by the placement plan.
     """
 
     model_path: str
@@ -163,6 +85,7 @@ class EngineConfig:
     env_vars: dict[str, str] = field(default_factory=dict)
     num_cpus: float = 1.0
     distributed_executor_backend: str | None = None
+    weight_transfer_backend: str | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -184,6 +107,9 @@ class EngineConfig:
         if self.distributed_executor_backend not in (None, "ray", "mp", "uni"):
             raise ValueError(f"EngineConfig.distributed_executor_backend={self.distributed_executor_backend!r}; "
                              "expected None, 'ray', 'mp' or 'uni'")
+        if self.weight_transfer_backend not in (None, *vllm_plugin.BACKENDS):
+            raise ValueError(f"EngineConfig.weight_transfer_backend={self.weight_transfer_backend!r}; expected None "
+                             f"or one of {vllm_plugin.BACKENDS}")
         if not os.path.isfile(os.path.join(self.model_path, "config.json")):
             raise FileNotFoundError(f"EngineConfig.model_path={self.model_path!r} has no config.json")
 
@@ -200,17 +126,42 @@ def _in_process_cpu_engine() -> None:
     torch.set_num_threads(len(os.sched_getaffinity(0)))
 
 
+def _weight_transfer_backend(config: EngineConfig, cuda: bool) -> str:
+    """The engine's backend (:attr:`EngineConfig.weight_transfer_backend`, or the device's default).
+
+    Raises:
+        ValueError: a CUDA backend without CUDA.
+        RuntimeError: vLLM's processes would not register our backends (the entry point is not installed).
+    """
+    backend = config.weight_transfer_backend or (vllm_plugin.IPC_BACKEND if cuda else vllm_plugin.SHM_BACKEND)
+    if not cuda and backend not in vllm_plugin.CPU_BACKENDS:
+        raise ValueError(f"EngineConfig.weight_transfer_backend={backend!r} needs CUDA; this engine runs on the CPU "
+                         f"(CPU backends: {vllm_plugin.CPU_BACKENDS})")
+    error = vllm_plugin.entry_point_error()
+    if error is not None:
+        raise RuntimeError(f"rollout engine: {error}")
+    return backend
+
+
 class RolloutEngine:
     """One vLLM engine; meant to run as a Ray actor (:meth:`launch`), usable in-process too.
 
-    Raises (constructor): FileNotFoundError for a model directory without config.json / safetensors.
+    The live weight sync drives vLLM 0.32's weight-transfer protocol on it (``LLM.init_weight_transfer_engine``,
+    ``start_weight_update``, ``update_weights``, ``finish_weight_update``, ``get_weight_version``) through our
+    backend (:mod:`megatron_gigpo.rollout.vllm_plugin`); vLLM's weight version is the run's policy version.
+
+    Raises (constructor): FileNotFoundError for a model directory without config.json / safetensors; ValueError
+    for a CUDA weight-transfer backend without CUDA; RuntimeError when the package's vLLM plugin entry point is
+    not installed (``pip install -e .``), before vLLM starts.
     """
 
     def __init__(self, config: EngineConfig):
         from vllm import LLM
+        from vllm.config import WeightTransferConfig
 
         self.config = config
         self.cuda = torch.cuda.is_available()
+        self.backend = _weight_transfer_backend(config, self.cuda)
         kwargs: dict[str, Any] = {}
         if self.cuda:
             kwargs.update(gpu_memory_utilization=config.rollout.gpu_memory_utilization,
@@ -235,13 +186,13 @@ class RolloutEngine:
             max_num_seqs=config.max_num_seqs,
             worker_extension_cls=_EXTENSION,
             distributed_executor_backend=config.distributed_executor_backend,
+            weight_transfer_config=WeightTransferConfig(backend=self.backend),
             **kwargs,
         )
         self.spec: WeightSpec = read_checkpoint_spec(config.model_path, config.dtype)
-        self.version, self.checksum = 0, None
+        self.checksum: str | None = None
         self.sleeping = False
-        self._update: dict[str, Any] | None = None
-        self._broadcast_joined = False
+        self._update: dict[str, Any] | None = None  # {"version": int, "checksum": str | None} while one runs
 
     @classmethod
     def launch(cls, config: EngineConfig, **ray_options: Any):
@@ -305,7 +256,9 @@ class RolloutEngine:
             seq = out.outputs[0]
             ids = list(seq.token_ids)
             log_probs = [float(step[tok].logprob) for tok, step in zip(ids, seq.logprobs)] if seq.logprobs else []
-            results.append(GenerationResult(ids, log_probs, str(seq.finish_reason), seq.text))
+            spans = seq.weight_versions or ()
+            version = min((_version_number(span.version) for span in spans), default=self.weights_version()[0])
+            results.append(GenerationResult(ids, log_probs, str(seq.finish_reason), seq.text, version))
         return results
 
     def compute_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
@@ -355,120 +308,138 @@ class RolloutEngine:
 
     # -------------------------------------------------------------------------------------- weight sync
     def sync_info(self) -> dict[str, Any]:
-        """Spec, worker count and Ray node of this engine (for ``weight_sync.prepare_sync``)."""
+        """What a sync needs to know of this engine (``weight_sync.prepare_sync``): ``{"spec": WeightSpec,
+        "num_workers": int (vLLM workers = TP size), "node_id": str (Ray node id, "" without Ray), "backend": str
+        (the vLLM weight-transfer backend)}``."""
         import ray
 
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
-        return {"spec": self.spec, "num_workers": self.config.tensor_parallel_size, "node_id": node}
+        return {"spec": self.spec, "num_workers": self.config.tensor_parallel_size, "node_id": node,
+                "backend": self.backend}
 
     def weight_spec(self) -> WeightSpec:
         """HF names/shapes a sync must carry, and the transfer dtype."""
         return self.spec
 
     def weights_version(self) -> tuple[int, str | None]:
-        """``(version, checksum)`` of the weights being served; ``(0, None)`` for the start checkpoint."""
-        return self.version, self.checksum
+        """``(version, checksum)`` of the weights being served: vLLM's weight version (``LLM.get_weight_version``;
+        its start value ``"default"`` is 0) and the checksum of the last update (None for the start checkpoint)."""
+        return _version_number(self.llm.get_weight_version()), self.checksum
 
-    def join_broadcast_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
-                             timeout_s: float) -> list[int]:
-        """Make every worker join the source rank's broadcast group; returns their ranks."""
-        ranks = self.llm.collective_rpc(
-            "weight_sync_join_broadcast", args=(host, port, rank_offset, world_size, backend, timeout_s)
-        )
-        self._broadcast_joined = True
-        return ranks
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """vLLM ``LLM.init_weight_transfer_engine`` on every worker, once per trainer connection (``mgigpo_gloo``:
+        the workers join the trainer's group here, which returns once every member has joined).
 
-    def begin_weight_update(self, version: int) -> None:
-        """Start staging ``version`` (drops an unfinished earlier update).
+        Args:
+            init_info: the backend's init info as a dict (``transfer.cpu_engines.SharedMemoryInitInfo`` fields...).
+
+        Raises:
+            WeightSyncError: init info the backend does not take, or the backend's refusal (the message names it).
+        """
+        with self._aborting("init_weight_transfer_engine"):
+            self.llm.init_weight_transfer_engine({"init_info": dict(init_info)})
+
+    def start_weight_update(self, version: int) -> None:
+        """Start the update to ``version`` on every worker (vLLM ``start_weight_update``); a session an unfinished
+        earlier update left open is ended first (without loading). A sleeping engine's weights are woken.
 
         Raises:
             WeightSyncError: ``version`` is not newer than the served version.
         """
-        if version <= self.version:
-            raise WeightSyncError(f"weights version {version} is not newer than the engine's {self.version}")
+        served = self.weights_version()[0]
+        if version <= served:
+            raise WeightSyncError(f"weights version {version} is not newer than the engine's {served}")
         if self.sleeping:
             self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc("weight_sync_begin")
-        self._update = {"version": version, "digests": {}, "seen": set()}
+        self.abort_weight_update()
+        self.llm.start_weight_update()
+        self._update = {"version": version, "checksum": None}
 
-    def receive_bucket(self, desc: dict[str, Any]) -> int:
-        """Validate a bucket's names and shapes, receive it on every worker and stage it.
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """One chunk of the update on every worker (vLLM ``update_weights``): a bucket of the backend, the commit
+        ``{"commit": hex checksum}`` (remembered: it becomes :meth:`weights_version`'s checksum at the finish) or
+        the abort ``{"abort": reason}`` (same as :meth:`abort_weight_update`).
+
+        Raises:
+            WeightSyncError: no update started, or a worker refused the chunk (unknown or repeated name, wrong
+                shape or dtype, other bytes than the trainer's, missing weights or checksum mismatch at the
+                commit, transport error; the message names it). The update is aborted on every worker first.
+        """
+        if "abort" in update_info:
+            self.abort_weight_update()
+            return
+        if self._update is None:
+            raise WeightSyncError("update_weights without start_weight_update")
+        with self._aborting("update_weights"):
+            self.llm.update_weights({"update_info": update_info})
+        if "commit" in update_info:
+            self._update["checksum"] = str(update_info["commit"])
+
+    def finish_weight_update(self, weight_version: str | None) -> tuple[int, str | None]:
+        """End the update on every worker (vLLM ``finish_weight_update``).
 
         Args:
-            desc: ``{"transport": "shm", "path", "layout"}``, ``{"transport": "broadcast", "layout"}`` or
-                ``{"transport": "cuda_ipc", "handle", "layout"}``; ``layout`` is a ``BucketLayout.to_wire()``.
+            weight_version: ``str(version)`` of :meth:`start_weight_update`: the committed weights are loaded in
+                place, vLLM's version becomes it and the prefix cache is reset (its blocks hold the old weights'
+                activations). None: the session ends without loading (an aborted update), idempotent.
 
         Returns:
-            The number of tensors staged by this call.
+            :meth:`weights_version` afterwards.
 
         Raises:
-            WeightSyncError: no update in progress, unknown or repeated name, wrong shape or dtype, or the
-                workers received different bytes. The update is aborted; the served weights are unchanged.
+            WeightSyncError: no update started, another version than started, no commit, or a worker failed to
+                load (the message names it). The update is aborted first; the served weights and version stay.
         """
-        if self._update is None:
-            raise WeightSyncError("receive_bucket without begin_weight_update")
-        try:
-            layout = BucketLayout.from_wire(desc["layout"])
-            if layout.dtype != self.spec.dtype:
-                raise WeightSyncError(f"bucket dtype {layout.dtype} differs from the engine's {self.spec.dtype}")
-            for name, shape in zip(layout.names, layout.shapes):
-                self.spec.check_tensor(name, shape, self._update["seen"])
-            per_worker = self._receive(desc)
-            if any(d != per_worker[0] for d in per_worker[1:]):
-                raise WeightSyncError("the engine's workers received different bytes for one bucket")
-            self._update["digests"].update(zip(layout.names, (bytes.fromhex(h) for h in per_worker[0])))
-        except BaseException:
+        update, self._update = self._update, None
+        if weight_version is None:
             self.abort_weight_update()
-            raise
-        return len(layout.names)
-
-    def _receive(self, desc: dict[str, Any]) -> list[list[str]]:
-        transport, wire = desc["transport"], desc["layout"]
-        if transport == "shm":
-            return self.llm.collective_rpc("weight_sync_receive_shm", args=(desc["path"], wire))
-        if transport == "broadcast":
-            if not self._broadcast_joined:
-                raise WeightSyncError("broadcast bucket before join_broadcast_group")
-            return self.llm.collective_rpc("weight_sync_receive_broadcast", args=(wire,))
-        if transport == "cuda_ipc":
-            return self.llm.collective_rpc("weight_sync_receive_cuda_ipc", args=(desc["handle"], wire))
-        raise WeightSyncError(f"unknown transport {transport!r}")
-
-    def commit_weight_update(self, version: int, checksum: str) -> tuple[int, str]:
-        """Check completeness and checksum, load the staged weights in place, reset the prefix cache.
-
-        Returns:
-            ``(version, checksum)`` now served.
-
-        Raises:
-            WeightSyncError: other version than begun, missing tensors, or a checksum mismatch; the update
-                is aborted and the previous weights stay.
-        """
-        update = self._update
-        if update is None or update["version"] != version:
-            raise WeightSyncError(f"commit of version {version} without a matching begin_weight_update")
-        try:
-            self.spec.check_complete(update["seen"])
-            staged = combine_digests(update["digests"])
-            if staged != checksum:
-                raise WeightSyncError(
-                    f"checksum mismatch for version {version}: trainer sent {checksum}, engine staged {staged}"
-                )
-        except BaseException:
-            self.abort_weight_update()
-            raise
-        self._update = None
-        self.llm.collective_rpc("weight_sync_apply")
+            return self.weights_version()
+        with self._aborting("finish_weight_update"):
+            if update is None:
+                raise WeightSyncError(f"finish_weight_update({weight_version!r}) without start_weight_update")
+            if str(weight_version) != str(update["version"]):
+                raise WeightSyncError(f"finish_weight_update({weight_version!r}) of an update started as version "
+                                      f"{update['version']}")
+            if update["checksum"] is None:
+                raise WeightSyncError(f"finish of weights version {weight_version} without a commit: nothing loaded")
+            self.llm.finish_weight_update(str(weight_version))
         # Cached KV blocks were computed with the old weights; prefix hits would reuse them.
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset the prefix cache after a weight update")
-        self.version, self.checksum = version, staged
-        return self.version, self.checksum
+        self.checksum = update["checksum"]
+        return self.weights_version()
 
     def abort_weight_update(self) -> None:
-        """Discard a staged update (idempotent)."""
+        """Drop the update on every worker, which keep serving their weights (idempotent; a worker whose
+        ``update_weights`` raised has already ended its session, the others end it here without loading)."""
         self._update = None
-        self.llm.collective_rpc("weight_sync_abort")
+        self.llm.collective_rpc("weight_transfer_abort")
+
+    @contextlib.contextmanager
+    def _aborting(self, what: str):
+        """Abort the update on every worker when the block raises; other errors than WeightSyncError are raised
+        as one naming ``what`` and the backend (in vLLM's multiprocess mode a worker's error arrives as text)."""
+        try:
+            yield
+        except BaseException as exc:
+            self.abort_weight_update()
+            if isinstance(exc, WeightSyncError) or not isinstance(exc, Exception):
+                raise
+            raise WeightSyncError(f"{what} ({self.backend}): {exc}") from exc
+
+
+def _version_number(version: str) -> int:
+    """vLLM's weight version as our int: ``"default"`` (no update yet) is 0.
+
+    Raises:
+        ValueError: a version set by someone else that is no integer.
+    """
+    if version == "default":
+        return 0
+    try:
+        return int(version)
+    except ValueError:
+        raise ValueError(f"vLLM weight version {version!r} is not an integer policy version") from None
 
 
 class RolloutEngineGroup:

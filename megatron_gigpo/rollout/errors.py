@@ -7,4 +7,4 @@ __all__ = ["WeightSyncError"]
 
 class WeightSyncError(RuntimeError):
     """A weight sync failed; the engines kept their previous weights. The message names the tensor,
-    version, checksum, engine or relaying rank at fault."""
+    version, checksum, engine or writing rank at fault."""

@@ -3,25 +3,24 @@
 A *bucket* is a list of ``(hf_name, tensor)`` pairs that travels as one flat byte buffer plus a
 :class:`BucketLayout` (names, shapes, byte offsets, one dtype). The layout is plain data (str, int, lists),
 so it crosses Ray calls and vLLM's ``collective_rpc`` (msgpack in multiprocess mode) unchanged; the bytes
-take one of these paths:
+take one of the CPU paths of our vLLM weight-transfer backends (:mod:`megatron_gigpo.rollout.transfer`):
 
-- ``shm`` (colocated, CPU): the sender writes the bucket into an anonymous shared-memory file (one copy);
+- ``mgigpo_shm`` (colocated): the sender writes the bucket into an anonymous shared-memory file (one copy);
   every worker of every engine on the node maps the same file read-only, so the receiving side makes no
   copy until vLLM loads the weights.
-- ``broadcast`` (disaggregated): a gloo (CPU) or NCCL (CUDA) group of the source trainer rank (rank 0) and
-  all engine workers; the source broadcasts the flat buffer, each worker receives its own copy.
-- ``cuda_ipc`` (colocated, CUDA): the sender keeps the flat buffer on its GPU and ships a CUDA IPC handle
-  (``torch.multiprocessing.reductions.reduce_tensor``); the worker opens it and clones it.
+- ``mgigpo_gloo`` (disaggregated): a gloo group of the sender trainer rank (rank 0) and all engine workers;
+  the sender broadcasts the flat buffer, each worker receives its own copy.
+
+CUDA weights travel through vLLM's own ``ipc`` / ``nccl`` transports (``mgigpo_ipc`` / ``mgigpo_nccl``).
 
 Upstream APIs: ``os.memfd_create`` + ``torch.UntypedStorage.from_file`` (mmap), ``torch.distributed.ProcessGroupGloo`` /
-``TCPStore``, vLLM ``StatelessProcessGroup`` + ``PyNcclCommunicator`` (CUDA broadcast).
+``TCPStore``.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import pickle
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -37,8 +36,6 @@ __all__ = [
     "SharedMemoryPool",
     "open_shared_memory_bucket",
     "broadcast_group",
-    "cuda_ipc_handle",
-    "open_cuda_ipc_handle",
 ]
 
 # Offsets are aligned so that every tensor view starts on a cache line (and any dtype's alignment).
@@ -314,24 +311,6 @@ class _GlooBroadcast:
         self._group.broadcast([flat], opts).wait()
 
 
-class _NcclBroadcast:
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float):
-        # vLLM's stateless group does not touch torch.distributed's default group, which vLLM's own
-        # workers (and Megatron on the trainer) already own.
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
-
-        group = StatelessProcessGroup.create(
-            host=host, port=port, rank=rank, world_size=world_size, store_timeout=int(timeout_s)
-        )
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        self._comm = PyNcclCommunicator(group, device=self.device)
-
-    def broadcast(self, flat: torch.Tensor) -> None:
-        self._comm.broadcast(flat, src=0, stream=torch.cuda.current_stream())
-        torch.cuda.current_stream().synchronize()
-
-
 def broadcast_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float = 600.0):
     """Join the weight-broadcast group (all members must call this at about the same time).
 
@@ -339,7 +318,7 @@ def broadcast_group(host: str, port: int, rank: int, world_size: int, backend: s
         host, port: TCP store address; rank 0 (the source trainer rank) hosts it.
         rank: 0 for the source, 1.. for engine workers.
         world_size: 1 + total number of engine workers.
-        backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors).
+        backend: ``"gloo"`` (CPU tensors).
         timeout_s: store / collective timeout.
 
     Returns:
@@ -350,30 +329,5 @@ def broadcast_group(host: str, port: int, rank: int, world_size: int, backend: s
     """
     if backend == "gloo":
         return _GlooBroadcast(host, port, rank, world_size, timeout_s)
-    if backend == "nccl":
-        return _NcclBroadcast(host, port, rank, world_size, timeout_s)
-    raise ValueError(f"unknown broadcast backend {backend!r}; expected 'gloo' or 'nccl'")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# cuda_ipc: colocated GPU
-# ---------------------------------------------------------------------------------------------------------
-
-
-def cuda_ipc_handle(flat: torch.Tensor) -> bytes:
-    """Pickled CUDA IPC handle of a CUDA buffer; the sender must keep ``flat`` alive until receivers ack."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    if not flat.is_cuda:
-        raise ValueError("cuda_ipc transport needs a CUDA buffer")
-    return pickle.dumps(reduce_tensor(flat))
-
-
-def open_cuda_ipc_handle(handle: bytes, device_index: int) -> torch.Tensor:
-    """Open a sender's CUDA buffer on this process's ``device_index`` and return a private copy."""
-    rebuild, args = pickle.loads(handle)
-    args = list(args)
-    # The 7th field of torch's CUDA tensor reduction is the device ordinal in the *sender's* numbering;
-    # the GPU is the same physical device, seen here as ``device_index``.
-    args[6] = device_index
-    return rebuild(*args).clone()
+    raise ValueError(f"unknown broadcast backend {backend!r}; expected 'gloo' (CUDA weights go through vLLM's "
+                     "nccl weight-transfer backend)")

@@ -214,65 +214,87 @@ def test_the_plan_is_pure_and_printed_with_its_total():
     assert "rank 9 (0.5 GPU); engine 4 TP2 worker 1 (0.4 GPU)" in text
 
 
-def test_engines_on_other_nodes_get_the_weights_through_their_nodes_leader(capsys):
-    from megatron_gigpo.cluster.placement import WeightRelay, format_weight_sync, weight_relays
+def test_validate_plan_names_the_weight_transfer_backend_of_every_engine(capsys):
+    from megatron_gigpo.cluster.placement import format_weight_sync
 
     recipe = RECIPES / "search_qa/qwen2.5-7b-instruct.yaml"
     plan = plan_placement(load_config(recipe))
-    # rank 8 is node 1's lowest rank; engines 4-7 share node 1's GPUs with ranks 8-15
-    assert weight_relays(plan) == (WeightRelay(leader=8, engines=(4, 5, 6, 7), node=1),)
-    assert {plan.ranks[8].node} == {plan.engines[i].node for i in (4, 5, 6, 7)} == {1}
+    # engines 0-7 on both nodes: vLLM's ipc reaches node 1's engines through the actor ranks on their GPUs
     assert format_weight_sync(plan) == [
-        "weight sync: transport cuda_ipc; source rank 0 (node 0) -> engines 0-3",
-        "weight sync relay: rank 0 -> rank 8 (leader of node 1, NCCL) -> engines 4-7 via cuda_ipc"]
+        "weight sync: mgigpo_ipc (vLLM ipc + staging), rank 0 -> engines 0-7 on nodes 0,1",
+        "weight sync path: every actor rank gets the full weights; each engine GPU maps the CUDA IPC buffer of the "
+        "actor rank on that GPU"]
     assert main(["validate", str(recipe), "--plan"]) == 0
-    assert "weight sync relay: rank 0 -> rank 8 (leader of node 1, NCCL) -> engines 4-7" in capsys.readouterr().out
-    # CPU, two nodes of one rank each: rank 1 relays (shm, gloo) to the engine beside it.
+    assert "weight sync: mgigpo_ipc (vLLM ipc + staging), rank 0 -> engines 0-7 on nodes 0,1" in capsys.readouterr().out
     cpu = plan_placement(load_config(RECIPES / "smoke/cpu.yaml", ["trainer.nnodes=2", "trainer.devices_per_node=1",
                                                                   "rollout.num_engines=2"]))
-    assert weight_relays(cpu) == (WeightRelay(1, (1,), 1),)
-    assert format_weight_sync(cpu)[1] == ("weight sync relay: rank 0 -> rank 1 (leader of node 1, gloo) -> engine 1 "
-                                          "via shm")
-    # One node, or the broadcast transport: no relay.
-    assert weight_relays(plan_placement(load_config(ALF_7B))) == ()
+    assert format_weight_sync(cpu)[0] == "weight sync: mgigpo_shm (shared memory + staging), rank 0 -> engines 0, 1 on nodes 0,1"
     disaggregated = plan_placement(load_config(SOKOBAN, ["trainer.nnodes=2", "rollout.weight_sync_mode=disaggregated",
                                                          "parallel.data_parallel_size=2", "rollout.num_engines=2"]),
                                    ClusterShape(2, 2))
-    assert {e.node for e in disaggregated.engines} == {1} and weight_relays(disaggregated) == ()
+    assert format_weight_sync(disaggregated) == [
+        "weight sync: mgigpo_nccl (vLLM nccl + staging), rank 0 -> engines 0, 1 on node 1",
+        "weight sync path: one NCCL group of rank 0 and the 2 engine worker(s)"]
 
 
-def test_a_same_node_transport_that_cannot_reach_an_engine_is_refused_naming_the_keys():
+def test_a_colocated_engine_without_an_actor_rank_beside_it_is_refused_naming_the_keys():
     import dataclasses
 
-    from megatron_gigpo.cluster.placement import relay_errors
+    from megatron_gigpo.cluster.placement import weight_backend_errors
 
     plan = plan_placement(load_config(RECIPES / "search_qa/qwen2.5-7b-instruct.yaml"))
-    assert relay_errors(plan) == []
-    # No colocated layout the planner makes leaves a node's engines without an actor rank, so build one: the
-    # same engines, with the ranks of node 1 gone.
-    stranded = dataclasses.replace(plan, ranks=plan.ranks[:8])
-    (error,) = relay_errors(stranded)
-    for part in ("rollout.weight_sync_mode=colocated", "transport 'cuda_ipc'", "trainer.device=cuda",
-                 "engines [4, 5, 6, 7] are on node(s) [1] of trainer.nnodes=2", "without any actor rank",
-                 "rollout.weight_sync_mode=disaggregated (transport 'broadcast')"):
+    assert weight_backend_errors(plan) == []
+    # No colocated layout the planner makes leaves an engine GPU without an actor rank, so build one: the same
+    # engines, with the ranks of node 1 gone (GPU), then with rank 9 gone (engine 4's second GPU).
+    (error,) = weight_backend_errors(dataclasses.replace(plan, ranks=plan.ranks[:8]))
+    for part in ("rollout.weight_sync_mode=colocated (trainer.device=cuda) syncs weights with mgigpo_ipc",
+                 "needs an actor rank on each of its GPUs of every engine",
+                 "engine 4 on node 1 GPU(s) [0, 1]; engine 5 on node 1 GPU(s) [2, 3]", "have none",
+                 "trainer.nnodes=2", "rollout.weight_sync_mode=disaggregated (mgigpo_nccl)"):
         assert part in error
-    # broadcast reaches every node
-    assert relay_errors(dataclasses.replace(stranded, colocated=False, transport="broadcast")) == []
+    (error,) = weight_backend_errors(dataclasses.replace(plan, ranks=plan.ranks[:9] + plan.ranks[10:]))
+    assert "but engine 4 on node 1 GPU(s) [1] has none" in error
+    # CPU: an engine on a node without actor ranks
+    cpu = plan_placement(load_config(RECIPES / "smoke/cpu.yaml", ["trainer.nnodes=2", "trainer.devices_per_node=1",
+                                                                  "rollout.num_engines=2"]))
+    (error,) = weight_backend_errors(dataclasses.replace(cpu, ranks=cpu.ranks[:1]))
+    assert ("syncs weights with mgigpo_shm, which needs an actor rank on its node of every engine, but engine 1 on "
+            "node 1 has none") in error and "(mgigpo_gloo)" in error
+    # disaggregated backends reach every node
+    assert weight_backend_errors(dataclasses.replace(plan, ranks=plan.ranks[:8], colocated=False,
+                                                     weight_backend="mgigpo_nccl")) == []
 
 
-@pytest.mark.parametrize("recipe, overrides, transport, backend", [
-    ("smoke/cpu.yaml", [], "shm", "gloo"),
-    ("smoke/cpu.yaml", ["rollout.weight_sync_mode=disaggregated"], "broadcast", "gloo"),
-    ("alfworld/qwen2.5-7b-instruct.yaml", [], "cuda_ipc", "nccl"),
+def test_a_vllm_without_the_weight_transfer_protocol_is_refused(tmp_path):
+    from megatron_gigpo.cluster.placement import vllm_protocol_errors
+
+    assert vllm_protocol_errors() == []  # the installed vLLM (0.32)
+    old = tmp_path / "vllm"
+    (old / "distributed").mkdir(parents=True)
+    (old / "__init__.py").write_text("")
+    (error,) = vllm_protocol_errors(old)
+    assert f"which the vLLM at {old} lacks: needs vllm>=0.32" in error
+    (old / "distributed" / "weight_transfer").mkdir()
+    (old / "distributed" / "weight_transfer" / "__init__.py").write_text("")
+    assert vllm_protocol_errors(old) == []
+
+
+@pytest.mark.parametrize("recipe, overrides, backend", [
+    ("smoke/cpu.yaml", [], "mgigpo_shm"),
+    ("smoke/cpu.yaml", ["rollout.weight_sync_mode=disaggregated"], "mgigpo_gloo"),
+    ("alfworld/qwen2.5-7b-instruct.yaml", [], "mgigpo_ipc"),
     ("sokoban/qwen2.5-1.5b-instruct.yaml", ["trainer.nnodes=2", "rollout.weight_sync_mode=disaggregated",
-                                            "parallel.data_parallel_size=2"], "broadcast", "nccl"),
+                                            "parallel.data_parallel_size=2"], "mgigpo_nccl"),
 ])
-def test_the_plan_decides_the_weight_sync_transport_and_backend(recipe, overrides, transport, backend):
-    """One decision: the plan's transport and backend are what the run's sync uses (builders passes them) and
-    what ``validate --plan`` prints."""
+def test_the_plan_decides_the_weight_transfer_backend(recipe, overrides, backend):
+    """One decision: the plan's backend is what the engines are started with (builders passes it) and what
+    ``validate --plan`` prints."""
     plan = plan_placement(load_config(RECIPES / recipe, overrides))
-    assert (plan.transport, plan.collective_backend) == (transport, backend)
-    assert f"weight sync: transport {transport};" in format_plan(plan)
+    assert plan.weight_backend == backend
+    assert f"weight sync: {backend} (" in format_plan(plan)
+    # vLLM's engine core passes mgigpo_ipc's CUDA IPC handles to its workers only pickled
+    assert {e.env_vars.get("VLLM_ALLOW_INSECURE_SERIALIZATION") for e in plan.engines} == {
+        "1" if backend == "mgigpo_ipc" else None}
 
 
 def test_plan_of_a_model_family_without_mapping_prints_no_estimate(tmp_path, capsys):
@@ -288,5 +310,5 @@ def test_plan_of_a_model_family_without_mapping_prints_no_estimate(tmp_path, cap
         "vocab_size": 32000, "tie_word_embeddings": False, "max_position_embeddings": 32768}))
     assert main(["validate", str(ALF_7B), f"model.path={model}", "--plan"]) == 0
     out = capsys.readouterr().out
-    assert "weight sync: transport cuda_ipc" in out
+    assert "weight sync: mgigpo_ipc (vLLM ipc + staging)" in out
     assert f"memory: no estimate for model.path '{model}': unsupported architecture ['MistralForCausalLM']" in out

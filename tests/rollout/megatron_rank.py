@@ -113,6 +113,26 @@ class MegatronRank:
 
         return push_weights(_corrupt(self._export(plan.bucket_size_bytes), "shape"), plan)
 
+    def push_tampered_on_node_writers(self, plan) -> Any:
+        """``push_weights`` where every ``mgigpo_shm`` node writer other than the sender flips one bit of each bucket
+        in its node's file after receiving it: the engines of those nodes get other bytes than the trainer hashed
+        (an engine failing mid-update on one node)."""
+        from megatron_gigpo.rollout.transfer import cpu_trainers
+
+        write = cpu_trainers.SharedMemoryTrainerEngine._write
+
+        def tampered(engine, bucket, layout):
+            path, flat = write(engine, bucket, layout)
+            if not engine.is_sender and path is not None:
+                flat[layout.offsets[0]] ^= 1
+            return path, flat
+
+        cpu_trainers.SharedMemoryTrainerEngine._write = tampered
+        try:
+            return self.push_weights(plan)
+        finally:
+            cpu_trainers.SharedMemoryTrainerEngine._write = write
+
     def exported_weights(self) -> list[tuple[str, torch.Tensor]] | None:
         """All HF tensors (on rank 0; None elsewhere)."""
         tensors = [pair for bucket in self._export(1 << 40) for pair in bucket]
@@ -158,14 +178,15 @@ class StateDictRank:
         return push_weights(iter(buckets), plan)
 
     def release_sender_resources(self) -> None:
-        """Drop this process's shm bucket pool (the next reusing sync starts a new one)."""
+        """Shut down this process's trainer engines (the next sync starts a new one, with an empty shm pool)."""
         from megatron_gigpo.rollout.weight_sync import release_sender_resources
 
         release_sender_resources()
 
     def shm_pool_files(self) -> list[str]:
-        """Sorted paths of the files in this process's shm bucket pool (empty without a pool). Reads the
-        pool's internals: the product has no reason to list them."""
-        from megatron_gigpo.rollout import sender
+        """Sorted paths of the open files in this process's ``mgigpo_shm`` bucket pools (empty without one). Reads the
+        trainer engines' internals: the product has no reason to list them."""
+        from megatron_gigpo.rollout import weight_sync
 
-        return sorted(b.path for pool in sender._SHM_POOL for b in pool._free + pool._busy)
+        pools = [t.pool for t in weight_sync._TRAINERS.values() if getattr(t, "pool", None) is not None]
+        return sorted(b.path for pool in pools for b in pool._free + pool._busy)

@@ -45,3 +45,15 @@ def hf_log_probs(model_dir, weights: dict[str, torch.Tensor] | None, sequences: 
             logp = torch.log_softmax(model(ids).logits.float(), -1)[0, :-1]  # (T-1, V)
             out.append(logp.gather(-1, ids[0, 1:, None]).squeeze(-1))
     return out
+
+
+def shm_chunk(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype = torch.float32, node_key: str = "local"):
+    """An ``mgigpo_shm`` bucket chunk of ``named`` (packed as ``dtype`` into a new shared-memory file) and the file
+    (keep it open until the update has finished, then ``close()`` it): ``({"paths", "layout", "digests"}, file)``."""
+    from megatron_gigpo.rollout.checksum import tensor_digest
+    from megatron_gigpo.rollout.transport import SharedMemoryBucket, pack_bucket, plan_layout, unpack_bucket
+
+    shm = SharedMemoryBucket.create(plan_layout(named, dtype).nbytes)
+    flat, layout = pack_bucket(named, dtype, out=shm.buffer)
+    digests = [tensor_digest(name, view).hex() for name, view in unpack_bucket(flat, layout)]
+    return {"paths": {node_key: shm.path}, "layout": layout.to_wire(), "digests": digests}, shm

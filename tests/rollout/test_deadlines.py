@@ -44,7 +44,8 @@ class _SyncRank:
 
 
 class _HungEngine:
-    """Stand-in engine that answers ``sync_info`` and then never finishes ``begin_weight_update``."""
+    """Stand-in engine that answers ``sync_info`` and the transfer engine's init, then never finishes
+    ``start_weight_update``."""
 
     def sync_info(self) -> dict:
         import ray
@@ -52,10 +53,19 @@ class _HungEngine:
         from megatron_gigpo.rollout.weight_sync import WeightSpec
 
         return {"spec": WeightSpec({"w": (2,)}, {}, "float32"), "num_workers": 1,
-                "node_id": ray.get_runtime_context().get_node_id()}
+                "node_id": ray.get_runtime_context().get_node_id(), "backend": "mgigpo_shm"}
 
-    def begin_weight_update(self, version: int) -> None:
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        pass
+
+    def start_weight_update(self, version: int) -> None:
         time.sleep(600)
+
+    def update_weights(self, update_info: dict) -> None:
+        pass
+
+    def finish_weight_update(self, weight_version: str | None) -> tuple[int, None]:
+        return 0, None
 
     def abort_weight_update(self) -> None:
         pass
@@ -135,12 +145,11 @@ def test_weight_sync_into_an_engine_that_stops_answering_fails_at_its_deadline(r
     rank = ray.remote(_SyncRank).options(num_cpus=0.1).remote()
     ray.get(engine.sync_info.remote())  # started, imports done: the deadline is for the sync alone
     with pytest.raises(WeightSyncError) as info:
-        sync_weights([rank], [engine], version=1, bucket_size_bytes=1 << 20,
-                     transport="shm", backend="gloo", method="push",
+        sync_weights([rank], [engine], version=1, bucket_size_bytes=1 << 20, method="push",
                      timeout_s=10)
     message = str(info.value)
     node = re.escape(ray.nodes()[0]["NodeManagerAddress"])
-    assert re.search(r"begin_weight_update \(version 1\) on the rollout engines: no answer after \d+\.\d s \(deadline "
+    assert re.search(r"start_weight_update \(version 1\) on the rollout engines: no answer after \d+\.\d s \(deadline "
                      r"\d+(\.\d)? s\) from 1 call\(s\): engine 0 \(actor _HungEngine [0-9a-f]{8} on node "
                      rf"{node} \(pid \d+, ALIVE\)\)", message), message
     ray.kill(engine)

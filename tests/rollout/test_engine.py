@@ -13,9 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_gigpo.rollout.engine import RolloutEngineGroup, SamplingConfig
-from megatron_gigpo.rollout.transport import SharedMemoryBucket, pack_bucket
 from megatron_gigpo.rollout.weight_sync import WeightSyncError, prepare_sync, weights_checksum
-from rollout_testlib import ENGINE_KWARGS, hf_log_probs, random_prompts
+from rollout_testlib import ENGINE_KWARGS, hf_log_probs, random_prompts, shm_chunk
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -120,27 +119,26 @@ def _scaled(weights: dict[str, torch.Tensor], factor: float) -> dict[str, torch.
     return {n: (t * factor if "norm" not in n else t) for n, t in weights.items()}
 
 
-def _push(group, sender, ray_session, weights, transport: str, bucket: int, reuse_shm: bool = True):
+def _push(group, sender, ray_session, weights, bucket: int, reuse_shm: bool = True):
     """One sync of ``weights`` (HF state dict) from the stand-in sender; returns ``(version, report)``."""
     version = 1 + max(v for v, _ in group.weights_version())
-    plan = prepare_sync(group, version=version, bucket_size_bytes=bucket, transport=transport, backend="gloo")
-    plan = dataclasses.replace(plan, reuse_shm=reuse_shm)
+    plan = prepare_sync(group, version=version, bucket_size_bytes=bucket, reuse_shm=reuse_shm)
     return version, ray_session.get(sender.push_weights.remote(plan, weights))
 
 
-@pytest.mark.parametrize("transport,bucket,reuse_shm,pool", [
-    pytest.param("shm", 1, True, "new", id="shm-new-pool"),
-    pytest.param("shm", 1, True, "reused", id="shm-reused-pool"),
-    pytest.param("shm", 40_000, False, "untouched", id="shm-one-off-files"),
-    pytest.param("broadcast", 40_000, True, "untouched", id="broadcast"),
+# The group's engines use mgigpo_shm (the CPU default); mgigpo_gloo is tested in tests/rollout/test_weight_sync.py.
+@pytest.mark.parametrize("bucket,reuse_shm,pool", [
+    pytest.param(1, True, "new", id="shm-new-pool"),
+    pytest.param(1, True, "reused", id="shm-reused-pool"),
+    pytest.param(40_000, False, "untouched", id="shm-one-off-files"),
 ])
 def test_sync_from_state_dict_serves_new_weights(group, sender, ray_session, tiny_qwen_dir, base_weights,
-                                                 transport, bucket, reuse_shm, pool):
+                                                 bucket, reuse_shm, pool):
     # Each case sets up the sender's shm bucket pool it claims (whatever ran before it).
     if pool == "new":
         ray_session.get(sender.release_sender_resources.remote())
     elif pool == "reused":  # an earlier sync of other weights left its files in the pool
-        _push(group, sender, ray_session, _scaled(base_weights, 1.1), "shm", bucket)
+        _push(group, sender, ray_session, _scaled(base_weights, 1.1), bucket)
     files_before = ray_session.get(sender.shm_pool_files.remote())
     version = 1 + max(v for v, _ in group.weights_version())
     new = _scaled(base_weights, 1.3 + 0.1 * version)
@@ -150,7 +148,7 @@ def test_sync_from_state_dict_serves_new_weights(group, sender, ray_session, tin
     stale = group.compute_log_probs(sequences)
     assert max(float((torch.tensor(s) - r).abs().max()) for s, r in zip(stale, reference, strict=True)) > 0.1
 
-    pushed, report = _push(group, sender, ray_session, new, transport, bucket, reuse_shm)
+    pushed, report = _push(group, sender, ray_session, new, bucket, reuse_shm)
     assert pushed == version
     expected = weights_checksum(new.items(), torch.float32)
     assert report.checksum == expected
@@ -161,54 +159,89 @@ def test_sync_from_state_dict_serves_new_weights(group, sender, ray_session, tin
         assert files_before == [] and len(files_after) == report.num_buckets
     elif pool == "reused":  # the same files again, none added
         assert len(files_before) == report.num_buckets and files_after == files_before
-    else:  # one-off files and broadcast leave the pool alone
+    else:  # one-off files (closed once the engines loaded them) leave the reused pool alone
         assert files_after == files_before
     got = group.compute_log_probs(sequences)
     for row, ref in zip(got, reference, strict=True):
         torch.testing.assert_close(torch.tensor(row), ref, atol=ATOL_FP32, rtol=0)
 
 
-def _shm_desc(named: list[tuple[str, torch.Tensor]]) -> tuple[dict, SharedMemoryBucket]:
-    _, layout = pack_bucket(named, torch.float32)
-    shm = SharedMemoryBucket.create(layout.nbytes)
-    pack_bucket(named, torch.float32, out=shm.buffer)
-    return {"transport": "shm", "path": shm.path, "layout": layout.to_wire()}, shm
+def _bad_update(engine, ray, base_weights, case: str) -> None:
+    """One update to the next version of ``engine`` that fails as ``case`` says; raises what the engine raised."""
+    names = list(base_weights)
+    scaled = [(n, base_weights[n] * 2) for n in names]
+    version = ray.get(engine.weights_version.remote())[0] + 1
+    if case == "not newer":
+        return ray.get(engine.start_weight_update.remote(version - 1))
+    ray.get(engine.start_weight_update.remote(version))
+    chunk, shm = shm_chunk(scaled[:3])
+    ray.get(engine.update_weights.remote(chunk))  # a good bucket is staged first
+    shm.close()
+    bad = {
+        "is not a weight": [("model.layers.0.mlp.gate.weight", scaled[3][1])],
+        "the engine expects": [(names[3], scaled[3][1].reshape(-1)[:-1])],
+        "sent twice": scaled[:1],
+        "model dtype": scaled[3:5],
+        "other bytes": scaled[3:5],
+        "does not fit": scaled[3:5],
+    }
+    if case in bad:
+        chunk, shm = shm_chunk(bad[case], torch.bfloat16 if case == "model dtype" else torch.float32)
+        if case == "other bytes":
+            chunk["digests"] = chunk["digests"][:1] + ["00" * 32]
+        if case == "does not fit":  # a layout whose offsets overrun the buffer
+            chunk["layout"] = dict(chunk["layout"], offsets=[0, chunk["layout"]["nbytes"]])
+        try:
+            return ray.get(engine.update_weights.remote(chunk))
+        finally:
+            shm.close()
+    rest = scaled[4:] if case == "were not sent" else scaled[3:]  # names[3] is a layer's weight
+    chunk, shm = shm_chunk(rest)
+    ray.get(engine.update_weights.remote(chunk))
+    shm.close()
+    if case != "without a commit":
+        checksum = "f" * 64 if case == "checksum mismatch" else weights_checksum(scaled[:3] + rest)
+        ray.get(engine.update_weights.remote({"commit": checksum}))
+    ray.get(engine.finish_weight_update.remote(str(version)))
 
 
-def test_engine_rejects_bad_buckets_and_keeps_serving(group, ray_session, base_weights):
+@pytest.mark.parametrize("case", ["is not a weight", "the engine expects", "sent twice", "model dtype", "other bytes",
+                                  "does not fit", "were not sent", "checksum mismatch", "without a commit",
+                                  "not newer"])
+def test_engine_rejects_bad_updates_and_keeps_serving(group, ray_session, base_weights, case):
+    """vLLM's protocol on the engine (start / update_weights / commit / finish): each bad update is refused with
+    an error naming it, the engine serves the same weights, version and checksum, and the update is over."""
     engine = group.engines[0]
     sequences = random_prompts(2, seed=6)
-    before_version = ray_session.get(engine.weights_version.remote())
+    ray_session.get(engine.init_weight_transfer_engine.remote({"dtype": "float32", "node_key": "local"}))
+    served = ray_session.get(engine.weights_version.remote())
     before = ray_session.get(engine.compute_log_probs.remote(sequences))
-    names = list(base_weights)
-    good = [(n, base_weights[n] * 2) for n in names[:3]]
-    cases = {
-        "is not a weight": [("model.layers.0.mlp.gate.weight", base_weights[names[3]])],
-        "the engine expects": [(names[3], base_weights[names[3]].reshape(-1)[:-1].clone())],
-        "sent twice": [good[0]],
-    }
-    for message, bad in cases.items():
-        ray_session.get(engine.begin_weight_update.remote(before_version[0] + 1))
-        desc, shm = _shm_desc(good)
-        ray_session.get(engine.receive_bucket.remote(desc))  # a good bucket is staged first
-        shm.close()
-        desc, shm = _shm_desc(bad)
-        with pytest.raises(WeightSyncError, match=message):
-            ray_session.get(engine.receive_bucket.remote(desc))
-        shm.close()
-        with pytest.raises(WeightSyncError, match="without a matching begin"):  # the update was aborted
-            ray_session.get(engine.commit_weight_update.remote(before_version[0] + 1, "0"))
-    # Complete but with a checksum the engine did not stage.
-    ray_session.get(engine.begin_weight_update.remote(before_version[0] + 1))
-    desc, shm = _shm_desc([(n, base_weights[n] * 2) for n in names])
-    ray_session.get(engine.receive_bucket.remote(desc))
-    shm.close()
-    with pytest.raises(WeightSyncError, match="checksum mismatch"):
-        ray_session.get(engine.commit_weight_update.remote(before_version[0] + 1, "f" * 64))
-    with pytest.raises(WeightSyncError, match="not newer"):
-        ray_session.get(engine.begin_weight_update.remote(before_version[0]))
-    assert ray_session.get(engine.weights_version.remote()) == before_version
+    with pytest.raises(WeightSyncError, match=case):
+        _bad_update(engine, ray_session, base_weights, case)
+    with pytest.raises(WeightSyncError, match="without start_weight_update"):  # the update was dropped
+        ray_session.get(engine.update_weights.remote({"commit": "0"}))
+    assert ray_session.get(engine.weights_version.remote()) == served
     assert ray_session.get(engine.compute_log_probs.remote(sequences)) == before
+
+
+def test_engine_serves_a_good_update_after_bad_ones(group, ray_session, tiny_qwen_dir, base_weights):
+    engine = group.engines[0]
+    ray_session.get(engine.init_weight_transfer_engine.remote({"dtype": "float32", "node_key": "local"}))
+    new = _scaled(base_weights, 0.7)
+    version = ray_session.get(engine.weights_version.remote())[0] + 1
+    ray_session.get(engine.start_weight_update.remote(version))
+    chunks = [shm_chunk(list(new.items())[i : i + 4]) for i in range(0, len(new), 4)]
+    for chunk, _ in chunks:
+        ray_session.get(engine.update_weights.remote(chunk))
+    checksum = weights_checksum(new.items())
+    ray_session.get(engine.update_weights.remote({"commit": checksum}))
+    assert ray_session.get(engine.finish_weight_update.remote(str(version))) == (version, checksum)
+    for _, shm in chunks:
+        shm.close()
+    sequences = random_prompts(2, seed=6)
+    got = ray_session.get(engine.compute_log_probs.remote(sequences))
+    for row, ref in zip(got, hf_log_probs(tiny_qwen_dir, new, sequences), strict=True):
+        torch.testing.assert_close(torch.tensor(row), ref, atol=ATOL_FP32, rtol=0)
 
 
 def test_trainer_side_errors_abort_every_engine(group, sender, ray_session, base_weights):
@@ -217,7 +250,7 @@ def test_trainer_side_errors_abort_every_engine(group, sender, ray_session, base
     before = group.compute_log_probs(sequences)
     version = versions[0][0] + 1
     missing = {n: t for n, t in list(base_weights.items())[:-1]}
-    plan = prepare_sync(group, version=version, bucket_size_bytes=1 << 16, transport="shm", backend="gloo")
+    plan = prepare_sync(group, version=version, bucket_size_bytes=1 << 16)
     with pytest.raises(WeightSyncError, match="1 of .* weights were not sent"):
         ray_session.get(sender.push_weights.remote(plan, missing))
     renamed = dict(base_weights)

@@ -76,8 +76,7 @@ def test_merged_sync_matches_the_adapted_actor(ray_session, ranks, engine):
         assert _max_diff(megatron, base) > 1e-2, f"cycle {cycle}: the adapters do not change the model"
         assert _max_diff(stale, megatron) > 1e-2, f"cycle {cycle}: the step did not change the outputs"
         version += 1
-        metrics = sync_weights(ranks, [engine], version=version, bucket_size_bytes=bucket,
-                               transport="shm", backend="gloo")
+        metrics = sync_weights(ranks, [engine], version=version, bucket_size_bytes=bucket)
         assert metrics["weight_sync/num_tensors"] > 0
         got = _engine(ray_session, engine, sequences)
         for g, e in zip(got, megatron, strict=True):

