@@ -75,12 +75,13 @@ class BenchRank:
         return sum(p.numel() for p in self.model.parameters())
 
     def push_weights(self, plan):
-        from megatron_gigpo.models.weights import export_hf_weights
+        from megatron_gigpo.models.weights import export_hf_weights, export_metadata
         from megatron_gigpo.rollout.weight_sync import push_weights
 
+        metadata = export_metadata(self.model, dtype=plan.export_dtype) if plan.needs_metadata else None
         buckets = export_hf_weights(self.model, bucket_size_bytes=plan.bucket_size_bytes,
-                                    dtype=plan.export_dtype)
-        return push_weights(buckets, plan)
+                                    dtype=plan.export_dtype, destination=plan.export_destination)
+        return push_weights(buckets, plan, metadata=metadata)
 
     def old_push(self, engine, version: int, dtype: str, bucket_size_bytes: int, timeout_s: float):
         """The pre-#39 path (benchmarks/_old_sync.py); ``engine`` on rank 0 only, None elsewhere."""

@@ -59,7 +59,10 @@ class ActorWorker:
         """Export this rank's HF-named buckets into the engines (collective; see rollout.weight_sync)."""
         from megatron_gigpo.rollout.weight_sync import push_weights
 
-        return push_weights(self.policy.export_weights(plan.bucket_size_bytes, dtype=plan.export_dtype), plan)
+        metadata = self.policy.export_metadata(dtype=plan.export_dtype) if plan.needs_metadata else None
+        buckets = self.policy.export_weights(plan.bucket_size_bytes, dtype=plan.export_dtype,
+                                             destination=plan.export_destination)
+        return push_weights(buckets, plan, metadata=metadata)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``PolicyActor.<method>``, or one of this worker's own collectives (``push_weights``)."""

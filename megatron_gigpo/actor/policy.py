@@ -32,7 +32,7 @@ from megatron_gigpo.actor.logprob import HeadSettings, run_forward_only
 from megatron_gigpo.actor.update import MiniBatchPlan, RowData, train_mini_batch
 from megatron_gigpo.models.builder import build_gpt_model, load_hf_config
 from megatron_gigpo.models.checkpoint import write_model_sidecar
-from megatron_gigpo.models.weights import export_hf_weights, load_hf_weights
+from megatron_gigpo.models.weights import export_hf_weights, export_metadata, load_hf_weights
 
 __all__ = ["PolicyActor"]
 
@@ -504,3 +504,8 @@ class PolicyActor:
         return export_hf_weights(
             self.model_chunks, bucket_size_bytes=bucket_size_bytes, dtype=dtype, destination=destination
         )
+
+    def export_metadata(self, *, dtype: torch.dtype | None = None) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """``(hf_name, dtype, shape)`` of every tensor :meth:`export_weights` yields, in order (same on every rank;
+        a collective of the pipeline group: :func:`megatron_gigpo.models.weights.export_metadata`)."""
+        return export_metadata(self.model_chunks, dtype=dtype)

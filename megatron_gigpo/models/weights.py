@@ -38,6 +38,7 @@ __all__ = [
     "MissingTensorError",
     "load_hf_weights",
     "export_hf_weights",
+    "export_metadata",
     "shard_layout",
     "global_parameters",
 ]
@@ -284,6 +285,37 @@ def _export_plan(model, rules: dict[str, TensorRule], mapping: ModelMapping, hf_
     return plan
 
 
+def _model_plan(model, dtype, hf_config) -> tuple[list[_Entry], dict[str, TensorRule], Any]:
+    """``(export plan, mapping rules, hf_config)`` of ``model`` (a collective over the pipeline group)."""
+    first = model[0] if isinstance(model, (list, tuple)) else model
+    hf_config = hf_config_of(first, hf_config)
+    mapping = get_model_mapping(hf_config)
+    rules = mapping.rules(hf_config)
+    return _export_plan(model, rules, mapping, hf_config, dtype), rules, hf_config
+
+
+def export_metadata(
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+    *,
+    dtype: torch.dtype | None = None,
+    hf_config: Any | None = None,
+) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """``(hf_name, dtype, full HF shape)`` of every tensor :func:`export_hf_weights` yields, in the order it yields
+    them (the receiving rank's concatenated buckets; independent of the bucket size).
+
+    Identical on every rank; no tensor moves. With pipeline parallelism it is a collective of the pipeline group
+    (one ``all_gather_object`` of the stages' parameter shapes, as the export itself does), so every rank of the
+    model must call it, in the same order relative to other collectives.
+
+    Args:
+        model: as for :func:`export_hf_weights`.
+        dtype: the export dtype (default: each parameter's own dtype).
+        hf_config: default ``model.hf_config``.
+    """
+    plan, _, _ = _model_plan(model, dtype, hf_config)
+    return [(hf_name, entry.dtype, tuple(shape)) for entry in plan for hf_name, shape in entry.hf_parts]
+
+
 def _buckets(plan: list[_Entry], bucket_size_bytes: int) -> list[list[_Entry]]:
     buckets, current, size = [], [], 0
     for entry in plan:
@@ -331,12 +363,15 @@ def export_hf_weights(
             the HF tensors made from them); the staging buffer is reused from bucket to bucket and freed
             when the iterator ends. The tensors yielded do not depend on the bucket size.
         dtype: export dtype (default: each parameter's own dtype).
-        destination: ``"rank0"`` (all tensors to stage-0 TP-rank-0) or ``"pp_stage"`` (each stage's
-            TP-rank-0 receives the tensors of its own stage; no pipeline traffic).
+        destination: ``"rank0"`` (all tensors to stage-0 TP-rank-0), ``"pp_stage"`` (each stage's
+            TP-rank-0 receives the tensors of its own stage; no pipeline traffic) or ``"all"`` (as ``"rank0"``,
+            then global rank 0 broadcasts each bucket, one flat message, over the default process group: every
+            rank of every replica gets every tensor, e.g. for CUDA IPC from each GPU).
         hf_config: default ``model.hf_config``.
 
     Yields:
-        ``[(hf_name, tensor), ...]`` on the receiving rank(s), ``[]`` elsewhere. Names are exactly HF's
+        ``[(hf_name, tensor), ...]`` on the receiving rank(s), ``[]`` elsewhere (:func:`export_metadata` lists
+        them in order). Names are exactly HF's
         (``model.layers.3.self_attn.q_proj.weight``); with tied embeddings ``lm_head.weight`` is not
         emitted. Tensors are contiguous, on this rank's device (CUDA or CPU), in ``dtype``; each owns its
         memory, except that with TP=1 a tensor exported unchanged (same dtype, no split) may be the
@@ -345,22 +380,45 @@ def export_hf_weights(
     Raises:
         ValueError: unknown ``destination`` or non-positive ``bucket_size_bytes``.
     """
-    if destination not in ("rank0", "pp_stage"):
-        raise ValueError(f"destination must be 'rank0' or 'pp_stage', got {destination!r}")
+    if destination not in ("rank0", "pp_stage", "all"):
+        raise ValueError(f"destination must be 'rank0', 'pp_stage' or 'all', got {destination!r}")
     if bucket_size_bytes <= 0:
         raise ValueError(f"bucket_size_bytes must be positive, got {bucket_size_bytes}")
-    first = model[0] if isinstance(model, (list, tuple)) else model
-    hf_config = hf_config_of(first, hf_config)
-    mapping = get_model_mapping(hf_config)
-    rules = mapping.rules(hf_config)
-    buckets = _buckets(_export_plan(model, rules, mapping, hf_config, dtype), bucket_size_bytes)
-    if parallel_state.get_data_parallel_rank(with_context_parallel=True) != 0:
-        for _ in buckets:
-            yield []
-        return
-    gather = _BucketGather(model, rules, shard_layout(model, hf_config), destination)
+    plan, rules, hf_config = _model_plan(model, dtype, hf_config)
+    buckets = _buckets(plan, bucket_size_bytes)
+    gather = None
+    if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
+        gather = _BucketGather(model, rules, shard_layout(model, hf_config), destination)
     for bucket in buckets:
-        yield gather.bucket(bucket)
+        tensors = gather.bucket(bucket) if gather is not None else []
+        yield _broadcast_bucket(bucket, tensors) if destination == "all" else tensors
+
+
+def _broadcast_bucket(
+    entries: list[_Entry], tensors: list[tuple[str, torch.Tensor]]
+) -> list[tuple[str, torch.Tensor]]:
+    """Global rank 0's HF tensors of one bucket (``tensors``, ignored elsewhere) on every rank of the default
+    group, as one broadcast of a flat byte buffer; elsewhere the tensors are views of a fresh buffer per bucket."""
+    parts = [(hf_name, shape, entry.dtype) for entry in entries for hf_name, shape in entry.hf_parts]
+    offsets, cursor = [], 0
+    for _, shape, dtype in parts:
+        offsets.append(cursor)
+        cursor += -(-math.prod(shape) * dtype.itemsize // _ALIGN_BYTES) * _ALIGN_BYTES
+    flat = torch.empty(cursor, dtype=torch.uint8, device=_device())
+
+    def view(index: int) -> torch.Tensor:
+        _, shape, dtype = parts[index]
+        return flat[offsets[index] : offsets[index] + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+    sender = dist.get_rank() == 0
+    if sender:
+        if [name for name, _ in tensors] != [name for name, _, _ in parts]:
+            raise RuntimeError("export_hf_weights(destination='all'): rank 0's bucket differs from the plan")
+        for index, (_, tensor) in enumerate(tensors):
+            view(index).copy_(tensor)
+    if cursor:
+        dist.broadcast(flat, src=0)
+    return tensors if sender else [(name, view(index)) for index, (name, _, _) in enumerate(parts)]
 
 
 _ALIGN_BYTES = 64  # every shard view in a flat buffer starts aligned for any dtype

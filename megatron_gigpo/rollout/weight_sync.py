@@ -40,7 +40,7 @@ from megatron_gigpo.deadlines import get_with_deadline
 from megatron_gigpo.rollout.checksum import weights_checksum
 from megatron_gigpo.rollout.errors import WeightSyncError
 from megatron_gigpo.rollout.transport import dtype_from_name
-from megatron_gigpo.rollout.vllm_plugin import BACKENDS, GLOO_BACKEND, IPC_BACKEND, SHM_BACKEND
+from megatron_gigpo.rollout.vllm_plugin import BACKENDS, GLOO_BACKEND, IPC_BACKEND, NCCL_BACKEND, SHM_BACKEND
 
 __all__ = [
     "WeightSyncError",
@@ -180,6 +180,18 @@ class SyncPlan:
         """The dtype to export in (``export_hf_weights(..., dtype=plan.export_dtype)``): the engines' dtype, so the
         TP/PP gathers already move the bytes that travel."""
         return dtype_from_name(self.spec.dtype)
+
+    @property
+    def export_destination(self) -> str:
+        """``export_hf_weights(destination=...)`` for this backend: ``"all"`` for ``mgigpo_ipc`` (vLLM's IPC trainer
+        shares every rank's own full copy), else ``"rank0"`` (only the sender needs the tensors)."""
+        return "all" if self.backend == IPC_BACKEND else "rank0"
+
+    @property
+    def needs_metadata(self) -> bool:
+        """The backend's trainer asks the source for ``metadata()`` (vLLM's NCCL trainer, ``mgigpo_nccl``): pass
+        ``push_weights(..., metadata=export_metadata(model, dtype=plan.export_dtype))``."""
+        return self.backend == NCCL_BACKEND
 
     @property
     def group_key(self) -> str:
@@ -372,14 +384,18 @@ def _trainer(plan: SyncPlan, rank: int, source):
     return trainer
 
 
-def push_weights(buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], plan: SyncPlan) -> SyncReport | None:
+def push_weights(buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], plan: SyncPlan, *,
+                 metadata: Sequence[tuple[str, torch.dtype, tuple[int, ...]]] | None = None) -> SyncReport | None:
     """Run on every actor rank with its export iterator: the backend's trainer engine sends (rank 0), or takes part
     in the transfer's collectives (``mgigpo_shm``'s node writers, ``mgigpo_ipc``'s handle gather), or only iterates.
 
     Args:
-        buckets: ``export_hf_weights(model, bucket_size_bytes=plan.bucket_size_bytes, dtype=plan.export_dtype)`` of
-            this rank: lists of ``(hf_name, tensor)``, full (unsharded) tensors on rank 0.
+        buckets: ``export_hf_weights(model, bucket_size_bytes=plan.bucket_size_bytes, dtype=plan.export_dtype,
+            destination=plan.export_destination)`` of this rank: lists of ``(hf_name, tensor)``, full (unsharded)
+            tensors on rank 0 (on every rank for ``"all"``).
         plan: from :func:`prepare_sync`.
+        metadata: ``export_metadata(model, dtype=plan.export_dtype)``, needed where ``plan.needs_metadata``
+            (``mgigpo_nccl``); ignored otherwise.
 
     Returns:
         The :class:`SyncReport` on rank 0, None on the others.
@@ -391,7 +407,9 @@ def push_weights(buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], plan: Sy
     from megatron_gigpo.rollout.transfer.source import MegatronExportSource
 
     start, rank = time.perf_counter(), _rank()
-    source = MegatronExportSource(buckets, plan.spec, is_sender=rank == 0)
+    source = MegatronExportSource(buckets, plan.spec, is_sender=rank == 0,
+                                  metadata=metadata if plan.needs_metadata else None,
+                                  yield_all=plan.export_destination == "all")
     trainer = None
     try:
         trainer = _trainer(plan, rank, source)

@@ -5,7 +5,9 @@ Llama (llama3 RoPE scaling) models. One 2-process
 run checks TP1 (DP2), TP2 and PP2; one 4-process run checks TP2xPP2. In each layout and for each model:
 logits equal transformers' (fp32, atol 1e-4), and ``export_hf_weights`` returns the HF tensors bit-exactly
 (exact names, no ``lm_head.weight`` when tied, bucket budget respected), also cast to bf16 on export, with the
-same names and bits whether each parameter has a bucket of its own or the whole model fits in one.
+same names and bits whether each parameter has a bucket of its own or the whole model fits in one;
+``export_metadata`` lists exactly what rank 0 receives, in order, on every rank, and ``destination="all"`` gives
+every rank rank 0's tensors.
 """
 
 from __future__ import annotations
@@ -128,6 +130,8 @@ def _check_export(model, model_dir: Path, destination: str) -> dict:
     return {
         "buckets": len(buckets),
         "names": [name for name, _ in received],
+        "meta": [(name, t.dtype, tuple(t.shape)) for name, t in received],
+        "cast_meta": [(name, t.dtype, tuple(t.shape)) for name, t in cast[1]],
         "mismatched": [n for n, t in received if n not in reference or not torch.equal(t, reference[n])],
         "oversized": [size for size in sizes if size > BUCKET_BYTES],
         "cast_names": {size: [name for name, _ in items] for size, items in cast.items()},
@@ -135,6 +139,24 @@ def _check_export(model, model_dir: Path, destination: str) -> dict:
             (size, n) for size, items in cast.items() for n, t in items
             if t.dtype != torch.bfloat16 or not torch.equal(t, reference[n].to(torch.bfloat16))
         ],
+    }
+
+
+def _check_all_and_metadata(model, model_dir: Path) -> dict:
+    """``export_metadata`` (native and bf16) and what this rank receives with ``destination="all"``."""
+    from safetensors.torch import load_file
+
+    from megatron_gigpo.models.weights import export_hf_weights, export_metadata
+
+    reference = load_file(str(model_dir / "model.safetensors"))
+    buckets = list(export_hf_weights(model, bucket_size_bytes=BUCKET_BYTES, destination="all"))
+    received = [item for bucket in buckets for item in bucket]
+    return {
+        "metadata": export_metadata(model),
+        "metadata_bf16": export_metadata(model, dtype=torch.bfloat16),
+        "buckets": len(buckets),
+        "names": [name for name, _ in received],
+        "mismatched": [n for n, t in received if n not in reference or not torch.equal(t, reference[n])],
     }
 
 
@@ -172,6 +194,7 @@ def _run_layouts(rank: int, world_size: int, layouts, model_dirs, tokens, bad_lo
                 "logits": logits if ps.get_tensor_model_parallel_rank() == 0 else None,
                 "rank0": _check_export(model, Path(model_dir), "rank0"),
                 "pp_stage": _check_export(model, Path(model_dir), "pp_stage") if pp > 1 else None,
+                "all": _check_all_and_metadata(model, Path(model_dir)),
             }
         if (tp, pp) == layouts[-1]:
             results["errors"] = [_load_error(model_dir, other_dir) for model_dir, other_dir in bad_loads]
@@ -192,6 +215,19 @@ def _assert_export(reports: list[dict], hf_names: set[str], receivers: int, wher
         assert report["cast_names"][1] == report["cast_names"][2**40] == report["names"], where
 
 
+def _assert_all_and_metadata(runs: list[dict], where: str) -> None:
+    """Every rank's ``export_metadata`` is rank 0's ``(name, dtype, shape)`` sequence of the ``"rank0"`` export;
+    with ``destination="all"`` every rank (other TP/PP ranks, other DP replicas) gets rank 0's tensors, bit-equal."""
+    sender = runs[0]["rank0"]
+    assert sender["meta"], where
+    for rank, run in enumerate(runs):
+        assert run["all"]["metadata"] == sender["meta"], f"{where} rank {rank}: metadata differs from the export"
+        assert run["all"]["metadata_bf16"] == sender["cast_meta"], f"{where} rank {rank}: bf16 metadata"
+        assert run["all"]["buckets"] == sender["buckets"], where
+        assert run["all"]["names"] == sender["names"], f"{where} rank {rank}: destination='all' names"
+        assert not run["all"]["mismatched"], (where, rank, run["all"]["mismatched"])
+
+
 def _assert_layouts(per_rank: list[dict], hf_logits, hf_names, layouts) -> None:
     for tp, pp in layouts:
         for index, expected in enumerate(hf_logits):
@@ -202,6 +238,7 @@ def _assert_layouts(per_rank: list[dict], hf_logits, hf_names, layouts) -> None:
             for got in logits:
                 torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=where)
             _assert_export([run["rank0"] for run in runs], hf_names[index], 1, where)
+            _assert_all_and_metadata(runs, where)
             if pp > 1:  # with DP > 1 only replica 0 receives
                 _assert_export([run["pp_stage"] for run in runs], hf_names[index], pp, where + " per stage")
 

@@ -90,16 +90,20 @@ class MegatronRank:
                     param.add_(param.grad, alpha=-lr)
         return float(loss)
 
-    def _export(self, bucket_size_bytes: int, dtype: torch.dtype | None = None):
+    def _export(self, bucket_size_bytes: int, dtype: torch.dtype | None = None, destination: str = "rank0"):
         from megatron_gigpo.models.weights import export_hf_weights
 
-        return export_hf_weights(self.model, bucket_size_bytes=bucket_size_bytes, dtype=dtype)
+        return export_hf_weights(self.model, bucket_size_bytes=bucket_size_bytes, dtype=dtype, destination=destination)
 
     def push_weights(self, plan) -> Any:
-        """What ``PolicyActor.push_weights`` does: export in the engines' dtype and push."""
+        """What ``PolicyActor.push_weights`` does (``actor.group``): export in the engines' dtype, to the backend's
+        destination, with the export's metadata where the backend needs it, and push."""
+        from megatron_gigpo.models.weights import export_metadata
         from megatron_gigpo.rollout.weight_sync import push_weights
 
-        return push_weights(self._export(plan.bucket_size_bytes, plan.export_dtype), plan)
+        metadata = export_metadata(self.model, dtype=plan.export_dtype) if plan.needs_metadata else None
+        buckets = self._export(plan.bucket_size_bytes, plan.export_dtype, plan.export_destination)
+        return push_weights(buckets, plan, metadata=metadata)
 
     def push_renamed(self, plan) -> Any:
         """``push_weights`` with one tensor of the third bucket renamed."""

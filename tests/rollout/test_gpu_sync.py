@@ -46,7 +46,8 @@ class GpuRank:
         if tamper:
             trainer.client = TamperingClient(plan.engines, plan.engine_workers, plan.timeout_s)
         try:
-            return weight_sync.push_weights(iter([bucket]), plan)
+            metadata = [(name, t.dtype, tuple(t.shape)) for name, t in bucket]  # mgigpo_nccl's source.metadata()
+            return weight_sync.push_weights(iter([bucket]), plan, metadata=metadata)
         finally:
             if tamper:
                 trainer.client = client

@@ -189,3 +189,30 @@ def test_engine_group_client_gives_each_engine_its_own_rank_offset():
     assert client.per_engine_init_info({"dtype": "float32"}) == [{"dtype": "float32"}] * 3
     with pytest.raises(ValueError, match="2 init infos for 3 engines"):
         client.per_engine_init_info([{}, {}])
+
+
+@pytest.mark.unit
+def test_export_source_per_backend_metadata_and_every_rank_yielding():
+    """mgigpo_nccl: ``metadata()`` from export_metadata's tuples; mgigpo_ipc: non-senders yield their (full)
+    buckets unchecked while the sender still checks and hashes; other backends: non-senders yield nothing."""
+    from vllm.distributed.weight_transfer.base import ParamMeta
+
+    from megatron_gigpo.rollout.transfer.source import MegatronExportSource
+    from megatron_gigpo.rollout.vllm_plugin import IPC_BACKEND, NCCL_BACKEND, SHM_BACKEND
+    from megatron_gigpo.rollout.weight_sync import SyncPlan, WeightSpec
+
+    weights = _weights()
+    spec = WeightSpec(shapes={n: tuple(t.shape) for n, t in weights}, optional={}, dtype="float32")
+    plans = {b: SyncPlan((), (), (), 1, 1, spec, backend=b) for b in (SHM_BACKEND, IPC_BACKEND, NCCL_BACKEND)}
+    assert [(p.export_destination, p.needs_metadata) for p in plans.values()] == [
+        ("rank0", False), ("all", False), ("rank0", True)]
+    meta = [(n, t.dtype, tuple(t.shape)) for n, t in weights]
+    source = MegatronExportSource([weights[:2], weights[2:]], spec, is_sender=False, metadata=meta)
+    assert source.metadata() == [ParamMeta(*m) for m in meta] and list(source) == []
+    with pytest.raises(NotImplementedError, match="metadata="):
+        MegatronExportSource([], spec, is_sender=True).metadata()
+    others = MegatronExportSource([weights[:2], weights[2:]], spec, is_sender=False, yield_all=True)
+    assert [n for n, _ in others] == [n for n, _ in weights] and not others.digests
+    sender = MegatronExportSource([weights[:2], weights[2:]], spec, is_sender=True, yield_all=True)
+    assert [n for n, _ in sender] == [n for n, _ in weights]
+    assert sender.checksum() == weights_checksum(weights, torch.float32)

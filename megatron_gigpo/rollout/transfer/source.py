@@ -35,9 +35,12 @@ class MegatronExportSource(WeightSource):
             ``(hf_name, tensor)``; full (unsharded) tensors of any float dtype and device on the sender, empty
             lists elsewhere.
         spec: the engines' :class:`~megatron_gigpo.rollout.weight_sync.WeightSpec` (names, shapes, transfer dtype).
-        is_sender: this rank is the export's destination (trainer rank 0).
-        metadata: the whole model's ``ParamMeta`` in export order, when known (vLLM's NCCL trainer needs it);
-            default: not available (:meth:`metadata` raises).
+        is_sender: this rank is the export's destination (trainer rank 0): it checks and hashes.
+        metadata: the whole model's ``ParamMeta`` (or ``(name, dtype, shape)`` tuples:
+            :func:`~megatron_gigpo.models.weights.export_metadata`) in export order, when known (vLLM's NCCL trainer
+            needs it); default: not available (:meth:`metadata` raises).
+        yield_all: every rank yields its buckets (an export with ``destination="all"``: vLLM's IPC trainer shares
+            each rank's own copy); checks and digests stay on the sender. Default: only the sender yields.
 
     Attributes:
         error: the first :class:`WeightSyncError` of the sender's checks, else None.
@@ -47,11 +50,14 @@ class MegatronExportSource(WeightSource):
     """
 
     def __init__(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], spec: Any, *, is_sender: bool,
-                 metadata: list[ParamMeta] | None = None) -> None:
+                 metadata: Sequence[ParamMeta | tuple[str, torch.dtype, tuple[int, ...]]] | None = None,
+                 yield_all: bool = False) -> None:
         self._buckets = iter(buckets)
-        self.spec, self.is_sender = spec, is_sender
+        self.spec, self.is_sender, self.yield_all = spec, is_sender, yield_all
         self.dtype = dtype_from_name(spec.dtype)
-        self._metadata = metadata
+        self._metadata = None if metadata is None else [
+            meta if isinstance(meta, ParamMeta) else ParamMeta(meta[0], meta[1], tuple(meta[2])) for meta in metadata
+        ]
         self.error: WeightSyncError | None = None
         self.digests: dict[str, bytes] = {}
         self._seen: set[str] = set()
@@ -70,19 +76,24 @@ class MegatronExportSource(WeightSource):
         return list(self._metadata)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(hf_name, tensor)`` pairs of every bucket, in export order (none on non-senders)."""
+        """``(hf_name, tensor)`` pairs of every bucket, in export order (none on non-senders unless ``yield_all``)."""
         for bucket in self.iter_buckets():
             yield from bucket
 
     # ------------------------------------------------------------------------------------ buckets
     def iter_buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The export's buckets, one per export step on every rank (so ranks stay in lockstep): the checked,
-        hashed tensors on the sender; ``[]`` on other ranks and, after :attr:`error`, on the sender."""
+        hashed tensors on the sender; ``[]`` on other ranks (their unchecked buckets with ``yield_all``) and, after
+        :attr:`error`, on the sender."""
         tick = time.perf_counter()
         for bucket in self._buckets:
             self.export_s += time.perf_counter() - tick
             bucket = list(bucket)
-            if not self.is_sender or self.error is not None:
+            if not self.is_sender:
+                yield bucket if self.yield_all else []
+                tick = time.perf_counter()
+                continue
+            if self.error is not None:
                 bucket = []
             try:
                 self._check(bucket)
