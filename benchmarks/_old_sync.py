@@ -68,7 +68,7 @@ class OldEngine:
     def __init__(self, model_path: str, dtype: str, kv_cache_bytes: int, max_model_len: int = 512):
         from vllm import LLM
 
-        from megatron_gigpo.rollout.weight_sync import read_checkpoint_spec
+        from megatron_gigpo.rollout.spec import read_checkpoint_spec
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as RolloutEngine's "uni" CPU engine
         torch.set_num_threads(len(os.sched_getaffinity(0)))

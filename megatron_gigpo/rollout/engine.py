@@ -29,7 +29,7 @@ from megatron_gigpo.fields import field_errors
 from megatron_gigpo.rollout import vllm_plugin
 from megatron_gigpo.rollout.errors import WeightSyncError
 from megatron_gigpo.rollout.sampling import GenerationResult, SamplingConfig, TokenizerInfo
-from megatron_gigpo.rollout.weight_sync import WeightSpec, read_checkpoint_spec
+from megatron_gigpo.rollout.spec import WeightSpec, read_checkpoint_spec
 
 __all__ = [
     "SamplingConfig",

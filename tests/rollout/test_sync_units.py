@@ -20,7 +20,8 @@ from megatron_gigpo.rollout.transport import (
     pack_bucket,
     unpack_bucket,
 )
-from megatron_gigpo.rollout.weight_sync import WeightSyncError, read_checkpoint_spec
+from megatron_gigpo.rollout.spec import read_checkpoint_spec
+from megatron_gigpo.rollout.weight_sync import WeightSyncError
 from multiproc import free_port, spawn
 
 

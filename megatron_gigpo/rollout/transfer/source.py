@@ -3,7 +3,7 @@
 :class:`MegatronExportSource` implements ``vllm.distributed.weight_transfer.base.WeightSource`` (vLLM 0.32) over the
 bucket iterator of :func:`megatron_gigpo.models.weights.export_hf_weights` (a collective: every actor rank iterates
 it in lockstep; the export's destination, the sender rank 0, gets full HF tensors, the others empty buckets). On the
-sender it checks every tensor against the engines' :class:`~megatron_gigpo.rollout.weight_sync.WeightSpec` and
+sender it checks every tensor against the engines' :class:`~megatron_gigpo.rollout.spec.WeightSpec` and
 hashes the bytes that travel (the tensor cast to the transfer dtype, :func:`~megatron_gigpo.rollout.checksum.
 tensor_digest`), so the commit chunk can carry the whole set's checksum.
 
@@ -34,7 +34,7 @@ class MegatronExportSource(WeightSource):
         buckets: this rank's ``export_hf_weights(model, bucket_size_bytes=..., dtype=...)`` iterator: lists of
             ``(hf_name, tensor)``; full (unsharded) tensors of any float dtype and device on the sender, empty
             lists elsewhere.
-        spec: the engines' :class:`~megatron_gigpo.rollout.weight_sync.WeightSpec` (names, shapes, transfer dtype).
+        spec: the engines' :class:`~megatron_gigpo.rollout.spec.WeightSpec` (names, shapes, transfer dtype).
         is_sender: this rank is the export's destination (trainer rank 0): it checks and hashes.
         metadata: the whole model's ``ParamMeta`` (or ``(name, dtype, shape)`` tuples:
             :func:`~megatron_gigpo.models.weights.export_metadata`) in export order, when known (vLLM's NCCL trainer

@@ -40,7 +40,7 @@ class StagedWeightTransfer:
     parsed bucket chunk and hands its tensors to :meth:`_stage`.
 
     Attributes:
-        spec: the engine's :class:`~megatron_gigpo.rollout.weight_sync.WeightSpec`, read from the safetensors
+        spec: the engine's :class:`~megatron_gigpo.rollout.spec.WeightSpec`, read from the safetensors
             headers of ``vllm_config.model_config.model`` with the engine's model dtype.
         checksum: hex checksum of the last committed update (None before the first).
 
@@ -50,7 +50,7 @@ class StagedWeightTransfer:
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        from megatron_gigpo.rollout.weight_sync import read_checkpoint_spec  # the sync's module imports this one
+        from megatron_gigpo.rollout.spec import read_checkpoint_spec
 
         self.spec = read_checkpoint_spec(vllm_config.model_config.model, dtype_name(vllm_config.model_config.dtype))
         self.checksum: str | None = None
