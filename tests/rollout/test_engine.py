@@ -166,7 +166,16 @@ def test_sync_from_state_dict_serves_new_weights(group, sender, ray_session, tin
         torch.testing.assert_close(torch.tensor(row), ref, atol=ATOL_FP32, rtol=0)
 
 
-def _bad_update(engine, ray, base_weights, case: str) -> None:
+def _init_direct(engine, ray) -> str:
+    """Init ``engine``'s mgigpo_shm transfer engine for chunks written by this test; returns its node key. The key is
+    the engine's real Ray node id, as the trainer side gives it, so a trainer engine that inited this engine before
+    (the sync tests of this module) still finds it as it left it."""
+    node = ray.get(engine.sync_info.remote())["node_id"]
+    ray.get(engine.init_weight_transfer_engine.remote({"dtype": "float32", "node_key": node}))
+    return node
+
+
+def _bad_update(engine, ray, base_weights, case: str, node: str) -> None:
     """One update to the next version of ``engine`` that fails as ``case`` says; raises what the engine raised."""
     names = list(base_weights)
     scaled = [(n, base_weights[n] * 2) for n in names]
@@ -174,7 +183,7 @@ def _bad_update(engine, ray, base_weights, case: str) -> None:
     if case == "not newer":
         return ray.get(engine.start_weight_update.remote(version - 1))
     ray.get(engine.start_weight_update.remote(version))
-    chunk, shm = shm_chunk(scaled[:3])
+    chunk, shm = shm_chunk(scaled[:3], node_key=node)
     ray.get(engine.update_weights.remote(chunk))  # a good bucket is staged first
     shm.close()
     bad = {
@@ -186,7 +195,7 @@ def _bad_update(engine, ray, base_weights, case: str) -> None:
         "does not fit": scaled[3:5],
     }
     if case in bad:
-        chunk, shm = shm_chunk(bad[case], torch.bfloat16 if case == "model dtype" else torch.float32)
+        chunk, shm = shm_chunk(bad[case], torch.bfloat16 if case == "model dtype" else torch.float32, node)
         if case == "other bytes":
             chunk["digests"] = chunk["digests"][:1] + ["00" * 32]
         if case == "does not fit":  # a layout whose offsets overrun the buffer
@@ -196,7 +205,7 @@ def _bad_update(engine, ray, base_weights, case: str) -> None:
         finally:
             shm.close()
     rest = scaled[4:] if case == "were not sent" else scaled[3:]  # names[3] is a layer's weight
-    chunk, shm = shm_chunk(rest)
+    chunk, shm = shm_chunk(rest, node_key=node)
     ray.get(engine.update_weights.remote(chunk))
     shm.close()
     if case != "without a commit":
@@ -213,11 +222,11 @@ def test_engine_rejects_bad_updates_and_keeps_serving(group, ray_session, base_w
     an error naming it, the engine serves the same weights, version and checksum, and the update is over."""
     engine = group.engines[0]
     sequences = random_prompts(2, seed=6)
-    ray_session.get(engine.init_weight_transfer_engine.remote({"dtype": "float32", "node_key": "local"}))
+    node = _init_direct(engine, ray_session)
     served = ray_session.get(engine.weights_version.remote())
     before = ray_session.get(engine.compute_log_probs.remote(sequences))
     with pytest.raises(WeightSyncError, match=case):
-        _bad_update(engine, ray_session, base_weights, case)
+        _bad_update(engine, ray_session, base_weights, case, node)
     with pytest.raises(WeightSyncError, match="without start_weight_update"):  # the update was dropped
         ray_session.get(engine.update_weights.remote({"commit": "0"}))
     assert ray_session.get(engine.weights_version.remote()) == served
@@ -226,11 +235,11 @@ def test_engine_rejects_bad_updates_and_keeps_serving(group, ray_session, base_w
 
 def test_engine_serves_a_good_update_after_bad_ones(group, ray_session, tiny_qwen_dir, base_weights):
     engine = group.engines[0]
-    ray_session.get(engine.init_weight_transfer_engine.remote({"dtype": "float32", "node_key": "local"}))
+    node = _init_direct(engine, ray_session)
     new = _scaled(base_weights, 0.7)
     version = ray_session.get(engine.weights_version.remote())[0] + 1
     ray_session.get(engine.start_weight_update.remote(version))
-    chunks = [shm_chunk(list(new.items())[i : i + 4]) for i in range(0, len(new), 4)]
+    chunks = [shm_chunk(list(new.items())[i : i + 4], node_key=node) for i in range(0, len(new), 4)]
     for chunk, _ in chunks:
         ray_session.get(engine.update_weights.remote(chunk))
     checksum = weights_checksum(new.items())
