@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from megatron_gigpo.rollout.config import RolloutConfig
+from megatron_gigpo.rollout.cpu_threads import cpu_threads_bind, in_process_cpu_engine
 from megatron_gigpo.run.config import TimeoutsConfig
 from megatron_gigpo.deadlines import get_with_deadline
 from megatron_gigpo.fields import field_errors
@@ -67,8 +68,10 @@ class EngineConfig:
         num_cpus: Ray CPUs reserved per engine.
         distributed_executor_backend: vLLM's executor (``"ray"``: one vLLM Ray worker per bundle listed in
             ``VLLM_RAY_BUNDLE_INDICES`` of the engine actor's placement group; ``"mp"``: worker processes inside
-            the engine actor; ``"uni"``: one worker in the engine's process, and on CPU the engine core too,
-            see :func:`_in_process_cpu_engine`); None: vLLM's default. Set by the placement plan.
+            the engine actor, on CPU with :func:`~megatron_gigpo.rollout.cpu_threads.cpu_threads_bind`; ``"uni"``:
+            one worker in the engine's process, and on CPU the engine core too, see
+            :func:`~megatron_gigpo.rollout.cpu_threads.in_process_cpu_engine`); None: vLLM's default. Set by the
+            placement plan.
         weight_transfer_backend: the vLLM weight-transfer backend of the live weight sync, one of
             :data:`megatron_gigpo.rollout.vllm_plugin.BACKENDS` (``mgigpo_shm`` / ``mgigpo_gloo`` on CPU,
             ``mgigpo_ipc`` / ``mgigpo_nccl`` on CUDA); None: ``mgigpo_ipc`` with CUDA, ``mgigpo_shm`` on CPU. Set
@@ -114,18 +117,6 @@ class EngineConfig:
             raise FileNotFoundError(f"EngineConfig.model_path={self.model_path!r} has no config.json")
 
 
-def _in_process_cpu_engine() -> None:
-    """Run all of a CPU engine in this process: vLLM's engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``;
-    with the ``"uni"`` executor no engine-core or worker process is spawned, each of which would import torch and
-    vLLM again: an engine started in ~35 s instead of ~90 s in a Ray actor on 2 cores, benchmarks/engine_start.py),
-    with torch's intra-op pool set to this process's CPUs. Ray starts an actor with ``OMP_NUM_THREADS`` = its
-    ``num_cpus`` (1 for an engine slot) and vLLM's CPU worker replaces ``torch.set_num_threads`` by a no-op while
-    it starts, so the pool is set here, before ``vllm.LLM``. Engines generate while the actor ranks wait, so the
-    engine takes every CPU the process may use."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-
-
 def _weight_transfer_backend(config: EngineConfig, cuda: bool) -> str:
     """The engine's backend (:attr:`EngineConfig.weight_transfer_backend`, or the device's default).
 
@@ -168,7 +159,9 @@ class RolloutEngine:
                           enable_sleep_mode=config.enable_sleep_mode)
         else:
             if config.distributed_executor_backend == "uni":
-                _in_process_cpu_engine()
+                in_process_cpu_engine()
+            elif config.tensor_parallel_size > 1:
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_bind(config.tensor_parallel_size))
             # No chunked prefill on CPU: a prompt prefilled in parts rewinds its per-request seeded generator
             # (vLLM's discard_request_mask), which the CPU generator refuses ("CPU Generator does not use
             # offset") and the engine dies. Whole prompts only, so the step's token budget must hold one.
@@ -372,6 +365,7 @@ class RolloutEngine:
             raise WeightSyncError("update_weights without start_weight_update")
         with self._aborting("update_weights"):
             self.llm.update_weights({"update_info": update_info})
+            self._raise_worker_errors("update_weights")
         if "commit" in update_info:
             self._update["checksum"] = str(update_info["commit"])
 
@@ -402,7 +396,9 @@ class RolloutEngine:
                                       f"{update['version']}")
             if update["checksum"] is None:
                 raise WeightSyncError(f"finish of weights version {weight_version} without a commit: nothing loaded")
-            self.llm.finish_weight_update(str(weight_version))
+            self.llm.finish_weight_update(None)  # loads; the version is set only once every worker loaded
+            self._raise_worker_errors("finish_weight_update")
+            self.llm.update_weight_version(str(weight_version))
         # Cached KV blocks were computed with the old weights; prefix hits would reuse them.
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset the prefix cache after a weight update")
@@ -414,6 +410,15 @@ class RolloutEngine:
         ``update_weights`` raised has already ended its session, the others end it here without loading)."""
         self._update = None
         self.llm.collective_rpc("weight_transfer_abort")
+
+    def _raise_worker_errors(self, what: str) -> None:
+        """Raise WeightSyncError naming each worker (TP rank) whose backend refused the update (our backends keep
+        the error instead of raising it: ``transfer.staged``; vLLM's multiprocess executor would otherwise
+        leave the other workers' replies queued)."""
+        infos = self.llm.collective_rpc("weight_transfer_info")
+        errors = [f"worker {rank}: {info['error']}" for rank, info in enumerate(infos) if info.get("error")]
+        if errors:
+            raise WeightSyncError(f"{what} ({self.backend}) refused: " + "; ".join(errors))
 
     @contextlib.contextmanager
     def _aborting(self, what: str):

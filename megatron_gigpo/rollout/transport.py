@@ -36,6 +36,7 @@ __all__ = [
     "SharedMemoryPool",
     "open_shared_memory_bucket",
     "broadcast_group",
+    "initialized_dist",
 ]
 
 # Offsets are aligned so that every tensor view starts on a cache line (and any dtype's alignment).
@@ -46,6 +47,13 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+
+
+def initialized_dist():
+    """``torch.distributed`` when this process is in an initialized process group (a Megatron actor rank), else
+    None (a single-process sync: tests, the converters)."""
+    dist = torch.distributed
+    return dist if dist.is_available() and dist.is_initialized() else None
 
 
 def dtype_from_name(name: str) -> torch.dtype:

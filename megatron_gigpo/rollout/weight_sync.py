@@ -38,7 +38,7 @@ from megatron_gigpo.deadlines import get_with_deadline
 from megatron_gigpo.rollout.checksum import weights_checksum
 from megatron_gigpo.rollout.errors import WeightSyncError
 from megatron_gigpo.rollout.spec import WeightSpec
-from megatron_gigpo.rollout.transport import dtype_from_name
+from megatron_gigpo.rollout.transport import dtype_from_name, initialized_dist
 from megatron_gigpo.rollout.vllm_plugin import BACKENDS, GLOO_BACKEND, IPC_BACKEND, NCCL_BACKEND, SHM_BACKEND
 
 __all__ = [
@@ -251,8 +251,8 @@ def release_sender_resources() -> None:
 
 
 def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    dist = initialized_dist()
+    return 0 if dist is None else dist.get_rank()
 
 
 def _node_ip() -> str:

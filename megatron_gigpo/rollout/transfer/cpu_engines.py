@@ -68,14 +68,14 @@ class SharedMemoryWeightTransferEngine(StagedWeightTransfer, WeightTransferEngin
     """``mgigpo_shm`` in one vLLM worker (vLLM 0.32 ``WeightTransferEngine``): maps the bucket file of its node
     and stages views into it (no copy).
 
-    ``update_weights`` raises WeightSyncError for a chunk before ``init_weight_transfer_engine``, no file for
-    this engine's node, or any check of :meth:`StagedWeightTransfer._stage` (name, shape, dtype, digest);
-    FileNotFoundError / ValueError when the file is gone or shorter than the layout.
+    ``update_weights`` refuses a chunk (kept in :attr:`StagedWeightTransfer.error`, not raised): WeightSyncError
+    before ``init_weight_transfer_engine``, no file for this engine's node, or any check of
+    :meth:`StagedWeightTransfer._stage` (name, shape, dtype, digest); FileNotFoundError / ValueError when the
+    file is gone or shorter than the layout.
     """
 
     init_info_cls = SharedMemoryInitInfo
     update_info_cls = SharedMemoryUpdateInfo
-    supports_draft_weight_update = False
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
@@ -129,14 +129,13 @@ class GlooWeightTransferEngine(StagedWeightTransfer, WeightTransferEngine):
     ``init_transfer_engine`` (blocks until every member has joined, at most ``timeout_s``), receives each bucket
     by broadcast from rank 0 into a fresh buffer and stages it.
 
-    ``update_weights`` raises WeightSyncError for a chunk before ``init_weight_transfer_engine`` or any check of
-    :meth:`StagedWeightTransfer._stage` (name, shape, dtype, digest); ValueError for an inconsistent layout;
-    gloo's RuntimeError on a broken or timed-out group.
+    ``update_weights`` refuses a chunk (kept in :attr:`StagedWeightTransfer.error`, not raised): WeightSyncError
+    before ``init_weight_transfer_engine`` or any check of :meth:`StagedWeightTransfer._stage` (name, shape,
+    dtype, digest); ValueError for an inconsistent layout; gloo's RuntimeError on a broken or timed-out group.
     """
 
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
-    supports_draft_weight_update = False
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)

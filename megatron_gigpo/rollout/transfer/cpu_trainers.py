@@ -34,6 +34,7 @@ from megatron_gigpo.rollout.transport import (
     SharedMemoryPool,
     _GlooBroadcast,
     dtype_from_name,
+    initialized_dist,
     pack_bucket,
     plan_layout,
 )
@@ -46,11 +47,6 @@ def _ray_node_id() -> str:
     import ray
 
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
-
-
-def _dist():
-    dist = torch.distributed
-    return dist if dist.is_available() and dist.is_initialized() else None
 
 
 def node_writers(rank_nodes: list[str], engine_nodes: list[str], backend: str = SHM_BACKEND) -> dict[str, int]:
@@ -130,7 +126,7 @@ class SharedMemoryTrainerEngine(TrainerWeightTransferEngine[SharedMemoryTrainerI
         Raises:
             WeightSyncError: an engine's node has no actor rank.
         """
-        dist, here = _dist(), _ray_node_id()
+        dist, here = initialized_dist(), _ray_node_id()
         rank_nodes = [here]
         if dist is not None and dist.get_world_size() > 1:
             rank_nodes = [None] * dist.get_world_size()

@@ -93,7 +93,6 @@ class StagedIPCWeightTransferEngine(StagedWeightTransfer, IPCWeightTransferEngin
 
     init_info_cls = IPCWeightTransferInitInfo
     update_info_cls = StagedIPCUpdateInfo
-    supports_draft_weight_update = False
 
     def init_transfer_engine(self, init_info: IPCWeightTransferInitInfo) -> None:
         """Raises ValueError unless ``packed`` (one reused IPC buffer per trainer rank; see
@@ -143,7 +142,6 @@ class StagedNCCLWeightTransferEngine(StagedWeightTransfer, NCCLWeightTransferEng
 
     init_info_cls = NCCLWeightTransferInitInfo
     update_info_cls = NCCLWeightTransferUpdateInfo
-    supports_draft_weight_update = False
 
     def init_transfer_engine(self, init_info: NCCLWeightTransferInitInfo) -> None:
         """Join the trainer's NCCL group (vLLM's ``worker_init_process_group``; blocks until every member joined).

@@ -11,8 +11,14 @@ only after a commit. Two control chunks travel through vLLM's ``update_weights``
   checksum of what was staged equals the trainer's; marks the update committed.
 - ``{"abort": "<reason>"}``: drop everything staged; the model keeps its weights.
 
-Any exception in ``update_weights`` drops the staging too, then propagates (vLLM's worker then ends the update
-session). So the served weights change only through a committed update's finish, never partly.
+A worker never raises out of the protocol calls for a refused chunk or a failed load: vLLM 0.32's multiprocess
+executor (``MultiprocExecutor.collective_rpc``) raises at the first worker's failure and leaves the other workers'
+replies queued, so the next call of a TP > 1 engine would read them as its own. Instead the staging is dropped, the
+first error is kept (:attr:`StagedWeightTransfer.error`, read through the worker extension's
+``weight_transfer_info``) and later buckets are still received (a collective transport stays in step) but not
+staged; the commit of a failed update is refused, so the served weights change only through a committed update's
+finish, never partly. :class:`~megatron_gigpo.rollout.engine.RolloutEngine` reads every worker's error after each
+chunk and after the finish, aborts and raises.
 """
 
 from __future__ import annotations
@@ -43,10 +49,14 @@ class StagedWeightTransfer:
         spec: the engine's :class:`~megatron_gigpo.rollout.spec.WeightSpec`, read from the safetensors
             headers of ``vllm_config.model_config.model`` with the engine's model dtype.
         checksum: hex checksum of the last committed update (None before the first).
+        error: ``"<ExceptionType>: <message>"`` of the first failure of the current update (None: none); cleared by
+            ``start_weight_update`` and :meth:`reset`.
 
     Raises (constructor): FileNotFoundError for a model directory without config.json / safetensors; ValueError
     for a model dtype other than float32 / bfloat16 / float16.
     """
+
+    supports_draft_weight_update = False  # vLLM's speculative draft model: not updated by our backends
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
@@ -57,6 +67,7 @@ class StagedWeightTransfer:
         self._staged: list[tuple[str, torch.Tensor]] = []
         self._digests: dict[str, bytes] = {}
         self._committed = False
+        self.error: str | None = None
 
     # ----------------------------------------------------------------------------------------- helpers
     def _check_dtype(self, dtype: str, what: str) -> None:
@@ -67,6 +78,18 @@ class StagedWeightTransfer:
     def discard(self) -> None:
         """Drop everything staged and the commit (the model keeps the weights it serves)."""
         self._staged, self._digests, self._committed = [], {}, False
+
+    def reset(self) -> None:
+        """:meth:`discard` and forget the update's error (an abort, or the start of the next update)."""
+        self.discard()
+        self.error = None
+
+    def _fail(self, exc: Exception, when: str) -> None:
+        """Drop the staging and keep the update's first error (see the module docstring: never raised)."""
+        self.discard()
+        if self.error is None:
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.warning("weight update refused at %s: %s", when, self.error)
 
     def _stage(self, pairs: list[tuple[str, torch.Tensor]], digests: list[str] | None, *, copy: bool) -> None:
         """Check and keep one bucket's tensors until the finish.
@@ -82,6 +105,8 @@ class StagedWeightTransfer:
             WeightSyncError: after the commit; an unknown or repeated name, wrong shape or dtype; a digest count
                 other than the tensor count; received bytes that differ from the trainer's.
         """
+        if self.error is not None:
+            return  # received to keep the transport in step; the update is refused already
         if self._committed:
             raise WeightSyncError("a bucket arrived after the update's commit")
         if digests is not None and len(digests) != len(pairs):
@@ -99,7 +124,10 @@ class StagedWeightTransfer:
             self._staged.append((name, tensor.clone() if copy else tensor))
 
     def _commit(self, checksum: str) -> None:
-        """Raises WeightSyncError naming the missing weights, or both checksums when they differ."""
+        """Raises WeightSyncError naming the missing weights, or both checksums when they differ, or when a chunk
+        of this update failed."""
+        if self.error is not None:
+            raise WeightSyncError(f"commit of an update whose chunk failed ({self.error})")
         self.spec.check_complete(set(self._digests))
         staged = combine_digests(self._digests)
         if staged != checksum:
@@ -108,33 +136,34 @@ class StagedWeightTransfer:
 
     # ------------------------------------------------------------------ vLLM WeightTransferEngine methods
     def start_weight_update(self) -> None:
-        """vLLM ``WeightTransferEngine.start_weight_update``: drop what an unfinished update staged."""
-        self.discard()
+        """vLLM ``WeightTransferEngine.start_weight_update``: drop what an unfinished update staged, and its error."""
+        self.reset()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """vLLM ``WeightTransferEngine.update_weights``: a control chunk (``{"commit": hex}`` or ``{"abort":
         reason}``), else the backend's bucket chunk (parsed and passed to ``receive_weights``).
 
-        Raises:
-            WeightSyncError (or the transport's / vLLM's parse error): the staging is dropped first.
+        A refused chunk (WeightSyncError, or the transport's / vLLM's parse error) drops the staging and sets
+        :attr:`error`; nothing is raised (module docstring).
         """
         try:
             if "abort" in update_info:
                 log.info("weight update aborted by the trainer: %s", update_info["abort"])
-                self.discard()
+                self.reset()
             elif "commit" in update_info:
                 self._commit(str(update_info["commit"]))
             else:
                 super().update_weights(update_info)
-        except BaseException:
-            self.discard()  # vLLM's worker ends the session when this raises; nothing of the update may stay
-            raise
+        except Exception as exc:  # noqa: BLE001 - kept in self.error, read by RolloutEngine
+            self._fail(exc, "commit" if "commit" in update_info else "update_weights")
 
     @torch.no_grad()
     def finish_weight_update(self) -> None:
         """vLLM ``WeightTransferEngine.finish_weight_update``: a committed update is loaded in place (vLLM's
         ``reload_weights(..., is_checkpoint_format=True)``: layerwise reload, each layer's
-        ``process_weights_after_loading``); anything else is dropped and the model keeps its weights."""
+        ``process_weights_after_loading``); anything else is dropped and the model keeps its weights. A failed
+        load sets :attr:`error` (not raised; the model may then hold some new layers: RolloutEngine refuses the
+        version)."""
         if not self._committed:
             self.discard()
             return
@@ -143,12 +172,14 @@ class StagedWeightTransfer:
         try:
             reload_weights(self.vllm_config, self.model, iter(self._staged), None, is_checkpoint_format=True)
             refresh_tied_lm_head(self.model, self.model_config)
+        except Exception as exc:  # noqa: BLE001 - kept in self.error, read by RolloutEngine
+            self._fail(exc, "finish_weight_update")
         finally:
             self.discard()
 
     def shutdown(self) -> None:
         """vLLM ``WeightTransferEngine.shutdown``: drop the staging (subclasses release their transport too)."""
-        self.discard()
+        self.reset()
 
 
 def refresh_tied_lm_head(model: torch.nn.Module, model_config) -> bool:
