@@ -10,8 +10,9 @@ Engine side (one per vLLM worker, created by vLLM's ``WeightTransferEngineFactor
   ``digests`` (hex ``checksum.tensor_digest`` per tensor, ``names`` order), compared when present.
 - :class:`StagedNCCLWeightTransferEngine` (``mgigpo_nccl``, disaggregated): vLLM's ``NCCLWeightTransferEngine``
   transport, packed mode only: one ``update_weights`` for the whole model (names / dtypes / shapes), received by
-  vLLM's ``packed_nccl_broadcast_consumer`` whose post-unpack hook stages each chunk. A staging error is kept
-  and raised after the whole broadcast was received, so the trainer's broadcast never hangs on it.
+  vLLM's ``packed_nccl_broadcast_consumer`` whose post-unpack hook stages each chunk. A staging error is raised
+  only after the whole broadcast was received, so the trainer's broadcast never hangs on it (and the mixin then
+  keeps it as the update's error).
 
 Staging (:class:`~.staged.StagedWeightTransfer`): nothing reaches the model before the trainer's
 ``{"commit": checksum}`` chunk has matched; ``finish_weight_update`` then loads the set in place (vLLM's layerwise
