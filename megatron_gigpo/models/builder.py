@@ -1,4 +1,4 @@
-"""Build a megatron-core ``GPTModel`` from a Hugging Face config (Qwen2/Qwen2.5, Llama/SmolLM2).
+"""Build a megatron-core ``GPTModel`` from a Hugging Face config (Qwen2/Qwen2.5, Qwen3 dense, Llama/SmolLM2).
 
 Upstream APIs: ``transformers.AutoConfig``, ``megatron.core.transformer.TransformerConfig``,
 ``megatron.core.models.gpt.GPTModel`` and its layer specs (megatron-core 0.16).
@@ -91,7 +91,7 @@ def rope_settings(hf_config: Any) -> RopeSettings:
 
 def head_dim(hf_config: Any) -> int:
     """Attention head size: ``head_dim`` when the config sets it, else hidden_size / num_attention_heads
-    (the rule HF's Qwen2/Llama attention modules apply)."""
+    (the rule HF's attention modules apply; Qwen3 sets it apart from hidden / heads, Megatron's ``kv_channels``)."""
     explicit = getattr(hf_config, "head_dim", None)
     return int(explicit) if explicit else hf_config.hidden_size // hf_config.num_attention_heads
 
@@ -115,7 +115,7 @@ def transformer_config_from_hf(
     pipeline_model_parallel_size: int,
     **overrides: Any,
 ) -> TransformerConfig:
-    """Megatron ``TransformerConfig`` equivalent to an HF Qwen2/Llama config.
+    """Megatron ``TransformerConfig`` equivalent to an HF Qwen2/Qwen3/Llama config.
 
     Fusions that need Apex/Transformer-Engine kernels are off; ``use_cpu_initialization`` is on without CUDA
     (megatron otherwise allocates on the GPU). Any TransformerConfig field can be set through ``overrides``
@@ -148,6 +148,7 @@ def transformer_config_from_hf(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=mapping.qkv_bias(hf_config),
+        qk_layernorm=mapping.qk_layernorm(hf_config),
         hidden_dropout=0.0,
         attention_dropout=float(hf_config.attention_dropout),
         init_method_std=float(hf_config.initializer_range),
@@ -191,18 +192,24 @@ class SequenceParallelTorchNorm:
 
 
 def layer_spec(config: TransformerConfig, vp_stage: int | None = None) -> Any:
-    """Transformer-Engine layer spec when TE and CUDA are present, Megatron's local spec otherwise; with
-    ``config.sequence_parallel`` and the local spec, a ``TransformerBlockSubmodules`` of this stage's layers
-    whose norms (and the final norm) are :class:`SequenceParallelTorchNorm`."""
+    """Transformer-Engine layer spec when TE and CUDA are present, Megatron's local spec otherwise (with per-head
+    query/key norms when ``config.qk_layernorm``); with ``config.sequence_parallel`` and the local spec, a
+    ``TransformerBlockSubmodules`` of this stage's layers whose norms (and the final norm) are
+    :class:`SequenceParallelTorchNorm` (the q/k norms too: torch's wrapper refuses sequence parallelism, and their
+    gradients are summed over TP either way, by ``finalize_model_grads``)."""
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     if _transformer_engine_usable():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization,
+                                                    qk_layernorm=config.qk_layernorm)
     if not config.sequence_parallel:
         return spec
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    if config.qk_layernorm:
+        attention = spec.submodules.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = SequenceParallelTorchNorm
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage),
                                       layer_norm=SequenceParallelTorchNorm)
 

@@ -17,6 +17,9 @@ Megatron local-spec layouts (megatron-core 0.16 ``get_gpt_layer_local_spec``):
   concatenation of shards is *not* ``[gate ; up]``.
 - ``linear_proj`` / ``linear_fc2`` (RowParallel, dim 1); ``word_embeddings`` / ``output_layer``
   (vocab-parallel, dim 0, vocabulary padded to a multiple of TP; padding rows are zero and dropped on export).
+- ``self_attention.q_layernorm`` / ``k_layernorm`` (Qwen3's ``q_norm`` / ``k_norm``, with megatron-core's
+  ``qk_layernorm``): one RMSNorm gain of ``head_dim`` shared by every head, replicated over TP ranks (each rank
+  normalises its own heads; ``finalize_model_grads`` sums their gradients over TP).
 - Transformer-Engine spec names the two norms ``self_attention.linear_qkv.layer_norm_weight`` and
   ``mlp.linear_fc1.layer_norm_weight`` (fused into the following linear); :func:`canonical_name` maps them
   to the local-spec names.
@@ -40,6 +43,7 @@ __all__ = [
     "ModelMapping",
     "Qwen2Mapping",
     "LlamaMapping",
+    "Qwen3Mapping",
     "get_model_mapping",
     "supported_architectures",
     "canonical_name",
@@ -248,6 +252,10 @@ class ModelMapping:
         """Whether q/k/v projections carry biases (Megatron ``add_qkv_bias``)."""
         raise NotImplementedError
 
+    def qk_layernorm(self, hf_config: Any) -> bool:
+        """Whether queries and keys get a per-head RMSNorm before RoPE (Megatron ``qk_layernorm``; Qwen3)."""
+        return False
+
     def check_supported(self, hf_config: Any) -> None:
         """Raise :class:`UnsupportedModelError` for features Megatron's GPTModel cannot reproduce."""
         act = _require(hf_config, "hidden_act")
@@ -267,6 +275,11 @@ class ModelMapping:
         ]
         if self.qkv_bias(hf_config):
             rules.append(QKVRule(m + "self_attention.linear_qkv.bias", tuple(n + ".bias" for n in attn), 0))
+        if self.qk_layernorm(hf_config):
+            rules += [
+                CopyRule(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), None),
+                CopyRule(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), None),
+            ]
         rules += [
             CopyRule(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), 1),
             CopyRule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), None),
@@ -336,14 +349,36 @@ class LlamaMapping(ModelMapping):
                 )
 
 
+class Qwen3Mapping(ModelMapping):
+    """Qwen3 dense: GQA without biases, a per-head RMSNorm on queries and keys (``q_norm`` / ``k_norm``) before
+    RoPE, ``head_dim`` independent of hidden_size / num_attention_heads, SwiGLU, tied or untied embeddings."""
+
+    model_type = "qwen3"
+    architectures = ("Qwen3ForCausalLM",)
+
+    def qkv_bias(self, hf_config):
+        return False
+
+    def qk_layernorm(self, hf_config):
+        return True
+
+    def check_supported(self, hf_config):
+        super().check_supported(hf_config)
+        if bool(_require(hf_config, "attention_bias")):
+            raise UnsupportedModelError("qwen3: attention_bias=True is not supported (Megatron has no o_proj bias)")
+        if bool(_require(hf_config, "use_sliding_window")):
+            raise UnsupportedModelError("qwen3: use_sliding_window=True is not supported")
+
+
 _REGISTRY: dict[str, Callable[[], ModelMapping]] = {
     Qwen2Mapping.model_type: Qwen2Mapping,
     LlamaMapping.model_type: LlamaMapping,
+    Qwen3Mapping.model_type: Qwen3Mapping,
 }
 
 
 def supported_architectures() -> list[str]:
-    """HF ``architectures`` names with a mapping, e.g. ``['LlamaForCausalLM', 'Qwen2ForCausalLM']``."""
+    """HF ``architectures`` names with a mapping, sorted, e.g. ``['LlamaForCausalLM', 'Qwen2ForCausalLM', ...]``."""
     return sorted(arch for factory in _REGISTRY.values() for arch in factory.architectures)
 
 

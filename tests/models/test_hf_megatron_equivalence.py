@@ -1,8 +1,8 @@
 """Megatron GPTModel built from HF configs matches transformers, and HF weights survive every layout.
 
-Tiny random Qwen2 (tied; untied with a 500-token vocabulary that Megatron pads to 512; GQA, QKV bias) and
-Llama (llama3 RoPE scaling) models. One 2-process
-run checks TP1 (DP2), TP2 and PP2; one 4-process run checks TP2xPP2. In each layout and for each model:
+Tiny random Qwen2 (tied; untied with a 500-token vocabulary that Megatron pads to 512; GQA, QKV bias), Llama
+(llama3 RoPE scaling) and Qwen3 (per-head q/k RMSNorm, head_dim 32 apart from hidden / heads = 16) models.
+One 2-process run checks TP1 (DP2), TP2 and PP2; one 4-process run checks TP2xPP2. In each layout and for each model:
 logits equal transformers' (fp32, atol 1e-4), and ``export_hf_weights`` returns the HF tensors bit-exactly
 (exact names, no ``lm_head.weight`` when tied, bucket budget respected), also cast to bf16 on export, with the
 same names and bits whether each parameter has a bucket of its own or the whole model fits in one;
@@ -42,6 +42,7 @@ def tiny_dirs(tmp_path_factory) -> list[Path]:
         make_tiny_hf_model(
             root, "llama", tie=False, seed=3, rope_parameters=LLAMA3_ROPE, max_position_embeddings=16384
         ),
+        make_tiny_hf_model(root, "qwen3", tie=True, seed=4),
     ]
 
 
