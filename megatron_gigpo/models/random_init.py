@@ -71,6 +71,15 @@ def truncate_tokenizer(tokenizer_json: dict, vocab_size: int, *, source: str = "
     return {**tokenizer_json, "model": {**model, "vocab": vocab, "merges": merges}}
 
 
+def _default_head_dim(hf: dict) -> int | None:
+    """The head size the model family's transformers config class gives ``hf`` without a ``head_dim`` (Qwen2 and
+    Llama derive hidden_size / num_attention_heads; Qwen3 has a fixed default)."""
+    from transformers import AutoConfig
+
+    shape = {k: hf[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads") if k in hf}
+    return getattr(AutoConfig.for_model(hf["model_type"], **shape), "head_dim", None)
+
+
 def _random_config(base_dir: Path, architecture) -> dict:
     hf = json.loads((base_dir / "config.json").read_text())
     shape = dataclasses.asdict(architecture)
@@ -79,8 +88,18 @@ def _random_config(base_dir: Path, architecture) -> dict:
     elif shape["vocab_size"] > hf["vocab_size"]:
         raise ValueError(f"model.architecture.vocab_size={shape['vocab_size']} exceeds the base model's "
                          f"vocabulary ({hf['vocab_size']} ids in {base_dir / 'config.json'})")
+    hf.pop("head_dim", None)  # the base's head size does not fit the new shape: derived unless given
+    if shape.get("head_dim") is None:
+        shape.pop("head_dim", None)
     hf.update(shape)
-    hf.pop("head_dim", None)  # derived from hidden_size / num_attention_heads
+    if "head_dim" not in hf and _default_head_dim(hf) != hf["hidden_size"] // hf["num_attention_heads"]:
+        hf["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]  # Qwen3's class defaults to 128
+    kinds = set(hf.get("layer_types") or ())  # per-layer attention kinds (configs written by transformers >= 4.54)
+    if len(kinds) > 1:
+        raise ValueError(f"{base_dir / 'config.json'}: layer_types mixes {sorted(kinds)}; a random model cannot "
+                         "choose which of its layers get which")
+    if kinds:
+        hf["layer_types"] = [kinds.pop()] * hf["num_hidden_layers"]  # one per layer of the new depth
     hf.pop("quantization_config", None)
     hf["torch_dtype"] = "float32"
     return hf
