@@ -1,8 +1,10 @@
 """PolicyActor across Megatron layouts on gloo: log-probs agree with Hugging Face and each other, chunking and
 micro-batching do not change them, one update lowers the loss and every layout takes the same step.
 
-One spawn of two ranks runs TP2, PP2 and DP2 (+ DistributedOptimizer) one after the other; a four-rank spawn
-runs TP2 x PP2. The model ties its embeddings, so PP also exercises Megatron's embedding-group gradient sync.
+One spawn of two ranks runs TP2, PP2 and DP2 (+ DistributedOptimizer) one after the other, then a tiny Qwen3 at
+TP2 (q/k norm gains replicated over TP, their gradients summed over TP by Megatron's ``finalize_model_grads``); a
+four-rank spawn runs TP2 x PP2. The model ties its embeddings, so PP also exercises Megatron's embedding-group
+gradient sync.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def _run_layout(model_dir, tp: int, pp: int, distributed_optimizer: bool, *, ext
     return out
 
 
-def _two_rank_layouts(rank: int, world_size: int, model_dir) -> dict:
+def _two_rank_layouts(rank: int, world_size: int, model_dir, qwen3_dir) -> dict:
     from megatron_gigpo.actor import distributed
     from megatron_gigpo.actor.policy import PolicyActor
 
@@ -63,6 +65,7 @@ def _two_rank_layouts(rank: int, world_size: int, model_dir) -> dict:
         name: _run_layout(model_dir, tp, pp, distopt, extra=name == "tp2")
         for name, (tp, pp, distopt) in LAYOUTS.items()
     }
+    results["qwen3_tp2"] = _run_layout(qwen3_dir, 2, 1, False, extra=False)
     results["micro_batching"] = [_seq_mean_update(model_dir, budget) for budget in (24, 10**6)]
     try:  # THD packing with Megatron's local attention spec (the CPU spec)
         PolicyActor(actor_config(model_dir, tp=2, sequence_packing=True))
@@ -116,13 +119,18 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("actor_layouts"), "qwen3", tie=True, vocab_size=511, seed=4)
+
+
+@pytest.fixture(scope="module")
 def hf_reference(model_dir):
     return hf_log_probs_and_entropy(model_dir, make_batch())
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(model_dir):
-    return spawn(_two_rank_layouts, 2, model_dir, timeout=900)
+def two_rank_runs(model_dir, qwen3_dir):
+    return spawn(_two_rank_layouts, 2, model_dir, qwen3_dir, timeout=900)
 
 
 def _max_diff(a, b) -> float:
@@ -223,6 +231,22 @@ def test_first_step_matches_the_loss_on_hugging_face(two_rank_runs, model_dir):
         first = two_rank_runs[0][name]["first"]
         assert first["actor/pg_loss"] == pytest.approx(pg_loss, rel=1e-5, abs=1e-6), name
         assert first["actor/grad_norm"] == pytest.approx(grad_norm, rel=2e-5), name  # measured 1.4e-6
+
+
+@pytest.mark.multiprocess
+def test_qwen3_at_tp2_matches_hugging_face_log_probs_and_first_step(two_rank_runs, qwen3_dir):
+    """Qwen3 (q/k norms, head_dim apart from hidden / heads) through the actor at TP2: log-probs and entropies equal
+    transformers', and the first update's loss and gradient norm are the objective's on transformers' log-probs
+    (the q/k norm gains' gradients are summed over the TP ranks, each of which holds half of the heads)."""
+    hf_lp, hf_ent = hf_log_probs_and_entropy(qwen3_dir, make_batch())
+    pg_loss, grad_norm = _hf_first_step(qwen3_dir, make_batch(), actor_config(qwen3_dir))
+    for rank_results in two_rank_runs:
+        run = rank_results["qwen3_tp2"]
+        assert _max_diff(run["log_probs"], hf_lp) < 1e-4 and _max_diff(run["entropy"], hf_ent) < 1e-4
+        assert run["first"]["actor/pg_loss"] == pytest.approx(pg_loss, rel=1e-5, abs=1e-6)
+        assert run["first"]["actor/grad_norm"] == pytest.approx(grad_norm, rel=2e-5)
+        assert run["second"]["actor/loss"] < run["first"]["actor/loss"] - 1e-3
+    assert "model.layers.0.self_attn.q_norm.weight" in two_rank_runs[0]["qwen3_tp2"]["weights"]
 
 
 @pytest.mark.multiprocess
