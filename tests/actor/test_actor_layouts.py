@@ -2,8 +2,8 @@
 micro-batching do not change them, one update lowers the loss and every layout takes the same step.
 
 One spawn of two ranks runs TP2, PP2 and DP2 (+ DistributedOptimizer) one after the other, then a tiny Qwen3 at
-TP2 (q/k norm gains replicated over TP, their gradients summed over TP by Megatron's ``finalize_model_grads``); a
-four-rank spawn runs TP2 x PP2. The model ties its embeddings, so PP also exercises Megatron's embedding-group
+TP2 without and with sequence parallelism (q/k norm gains replicated over TP, their gradients summed over TP by
+Megatron's ``finalize_model_grads``); a four-rank spawn runs TP2 x PP2. The model ties its embeddings, so PP also exercises Megatron's embedding-group
 gradient sync.
 """
 
@@ -29,12 +29,12 @@ from torch.nn.utils.rnn import pad_sequence
 LAYOUTS = {"tp2": (2, 1, False), "pp2": (1, 2, False), "dp2_distopt": (1, 1, True)}
 
 
-def _run_layout(model_dir, tp: int, pp: int, distributed_optimizer: bool, *, extra: bool) -> dict:
+def _run_layout(model_dir, tp: int, pp: int, distributed_optimizer: bool, *, extra: bool, **settings) -> dict:
     from megatron_gigpo.actor import distributed
     from megatron_gigpo.actor.policy import PolicyActor
 
     batch = make_batch()
-    config = actor_config(model_dir, tp=tp, pp=pp, use_distributed_optimizer=distributed_optimizer)
+    config = actor_config(model_dir, tp=tp, pp=pp, use_distributed_optimizer=distributed_optimizer, **settings)
     # Adam's first step is lr * g / (|g| + eps): with the default eps, parameters whose gradient is rounding
     # noise (e.g. k_proj.bias, which softmax ignores) move by +-lr in a layout-dependent direction. A larger
     # eps keeps the step continuous in g, so layouts can be compared weight by weight.
@@ -66,6 +66,7 @@ def _two_rank_layouts(rank: int, world_size: int, model_dir, qwen3_dir) -> dict:
         for name, (tp, pp, distopt) in LAYOUTS.items()
     }
     results["qwen3_tp2"] = _run_layout(qwen3_dir, 2, 1, False, extra=False)
+    results["qwen3_tp2_sp"] = _run_layout(qwen3_dir, 2, 1, False, extra=False, sequence_parallel=True)
     results["micro_batching"] = [_seq_mean_update(model_dir, budget) for budget in (24, 10**6)]
     try:  # THD packing with Megatron's local attention spec (the CPU spec)
         PolicyActor(actor_config(model_dir, tp=2, sequence_packing=True))
@@ -247,6 +248,18 @@ def test_qwen3_at_tp2_matches_hugging_face_log_probs_and_first_step(two_rank_run
         assert run["first"]["actor/grad_norm"] == pytest.approx(grad_norm, rel=2e-5)
         assert run["second"]["actor/loss"] < run["first"]["actor/loss"] - 1e-3
     assert "model.layers.0.self_attn.q_norm.weight" in two_rank_runs[0]["qwen3_tp2"]["weights"]
+
+
+@pytest.mark.multiprocess
+def test_qwen3_with_sequence_parallelism_takes_the_tp2_step(two_rank_runs):
+    """With ``sequence_parallel`` the q/k norms are sequence-parallel norms too (torch's wrapper refuses the
+    setting); log-probs, the first update and the updated weights equal plain TP2's."""
+    plain, sp = two_rank_runs[0]["qwen3_tp2"], two_rank_runs[0]["qwen3_tp2_sp"]
+    assert _max_diff(sp["log_probs"], plain["log_probs"]) < 1e-5
+    for key in ("actor/loss", "actor/grad_norm", "actor/pg_loss", "actor/entropy"):
+        assert sp["first"][key] == pytest.approx(plain["first"][key], abs=1e-5), key
+    for hf_name, tensor in plain["weights"].items():
+        torch.testing.assert_close(sp["weights"][hf_name], tensor, atol=1e-6, rtol=0, msg=hf_name)
 
 
 @pytest.mark.multiprocess
