@@ -48,6 +48,13 @@ What ``enable()`` changes (call sites are megatron-core 0.16.1, ``megatron/core/
      (schedules.py:596,983,2138, device="cuda" for ``total_num_tokens``); device rewrite only, the model's
      own ``Tensor.type()`` is left alone. ``get_forward_backward_func`` looks these names up at call time.
 
+5. Without Transformer-Engine, ``transformer.moe.moe_utils`` leaves ``te_general_gemm`` undefined (it is bound only
+   inside the module's ``try: import transformer_engine``), yet ``RouterGatingLinearFunction.forward`` /
+   ``backward`` (moe_utils.py:1192,1225) test ``te_general_gemm is not None``: every MoE router raises
+   ``NameError``. :func:`define_missing_te_names` binds it to None, so the router takes its own ``torch.mm``
+   branch. Not CPU-specific (a CUDA machine without TE has the same bug), so the model builder calls it for MoE
+   models whatever the device; ``enable()`` calls it too.
+
 Not covered (GPU-only features, unsupported on CPU anyway): fp16 loss scaling (optimizer/grad_scaler.py),
 CUDA graphs, NCCL userbuffers, multiple distributed-optimizer instances, the fully-parallel
 dist_checkpointing exchange (dist_checkpointing/exchange_utils.py).
@@ -65,7 +72,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-__all__ = ["enable", "is_enabled", "cpu_device_scope"]
+__all__ = ["enable", "is_enabled", "cpu_device_scope", "define_missing_te_names"]
 
 _ENABLED = False
 
@@ -218,6 +225,15 @@ class _DropCpuRngWarning(logging.Filter):
         return record.getMessage() != "CPU RNG state changed within GPU RNG context"
 
 
+def define_missing_te_names() -> None:
+    """Bind ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` to None when Transformer-Engine is absent
+    (module docstring, item 5). Idempotent; leaves a real binding alone."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def enable() -> None:
     """Make megatron-core usable on this CPU-only process (see the module docstring for every patch).
 
@@ -231,4 +247,5 @@ def enable() -> None:
     torch.cuda.synchronize = lambda device=None: None
     _map_cuda_rng_to_cpu()
     _wrap_scoped_calls()
+    define_missing_te_names()
     _ENABLED = True
