@@ -45,6 +45,11 @@ class ArchitectureConfig:
     # null: the base tokenizer's vocabulary; N: keep its first N ids (byte-level BPE: special tokens, the 256 bytes,
     # the earliest merges), a smaller output layer and shorter tokens (models.random_init.truncate_tokenizer)
     vocab_size: int | None = num(None, ge=512)
+    # mixture-of-experts bases only (Qwen3-MoE); null: the base's value. Routed experts per layer, experts each
+    # token goes to (top-k) and each expert's FFN size (HF num_experts, num_experts_per_tok, moe_intermediate_size)
+    num_experts: int | None = num(None, ge=1)
+    num_experts_per_tok: int | None = num(None, ge=1)
+    moe_intermediate_size: int | None = num(None, ge=1)
 
 
 @dataclass

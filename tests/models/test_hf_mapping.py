@@ -33,9 +33,16 @@ def qwen3_dir(tmp_path_factory) -> Path:
     return make_tiny_hf_model(tmp_path_factory.mktemp("m"), "qwen3", tie=False, vocab_size=500)
 
 
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tmp_path_factory) -> Path:
+    return make_tiny_hf_model(tmp_path_factory.mktemp("m"), "qwen3_moe", tie=False, vocab_size=500)
+
+
 def _layout(tp_rank: int, tp_size: int, head_dim: int = 16) -> ShardLayout:
-    # tiny config: 4 heads, 2 KV groups, head_dim 16 (Qwen3: 32), vocab 500
-    return ShardLayout(tp_rank, tp_size, num_query_groups=2, heads_per_group=2, head_dim=head_dim, vocab_size=500)
+    # tiny config: 4 heads, 2 KV groups, head_dim 16 (Qwen3: 32), vocab 500; experts split like the dense layers
+    # (megatron-core's default expert_tensor_parallel_size = TP)
+    return ShardLayout(tp_rank, tp_size, num_query_groups=2, heads_per_group=2, head_dim=head_dim, vocab_size=500,
+                       expert_tp_rank=tp_rank, expert_tp_size=tp_size)
 
 
 def _local_shape(rule, reader: HFCheckpointReader, tp_size: int) -> tuple[int, ...]:
@@ -51,11 +58,11 @@ def _local_shape(rule, reader: HFCheckpointReader, tp_size: int) -> tuple[int, .
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_rules_shard_and_merge_back_bit_exactly(request, arch, tp_size):
     hf_config = tiny_config(arch, vocab_size=500)
-    head_dim = hf_config.head_dim if arch == "qwen3" else 16
+    head_dim = hf_config.head_dim if arch.startswith("qwen3") else 16
     rules = get_model_mapping(hf_config).rules(hf_config)
     reader = HFCheckpointReader(request.getfixturevalue(f"{arch}_dir"))
     assert {n for r in rules.values() for n in r.hf_names} == set(reader.names())
@@ -78,6 +85,34 @@ def test_qwen3_query_and_key_norms_map_to_megatron_qk_layernorm():
     assert attention + "linear_qkv.bias" not in rules
     qwen2 = tiny_config("qwen2")
     assert not any("layernorm.weight" in n and "self_attention" in n for n in get_model_mapping(qwen2).rules(qwen2))
+
+
+@pytest.mark.unit
+def test_qwen3_moe_router_and_experts_map_to_megatron_moe_layer():
+    """Router and every expert of every layer, by global expert index; the routing fields of megatron-core."""
+    from megatron_gigpo.models.builder import moe_settings
+    from megatron_gigpo.models.mapping import ExpertCopyRule, ExpertGateUpRule, canonical_name
+
+    hf_config = tiny_config("qwen3_moe")
+    rules = get_model_mapping(hf_config).rules(hf_config)
+    m, h = "decoder.layers.2.mlp.", "model.layers.2.mlp."
+    assert rules[m + "router.weight"].hf_names == (h + "gate.weight",) and rules[m + "router.weight"].tp_dim is None
+    fc1, fc2 = rules[m + "experts.local_experts.3.linear_fc1.weight"], rules[m + "experts.local_experts.3.linear_fc2.weight"]
+    assert isinstance(fc1, ExpertGateUpRule) and fc1.hf_names == (h + "experts.3.gate_proj.weight",
+                                                                  h + "experts.3.up_proj.weight")
+    assert isinstance(fc2, ExpertCopyRule) and fc2.hf_names == (h + "experts.3.down_proj.weight",)
+    assert not any(".mlp.linear_fc" in name for name in rules)  # no dense MLP in any layer
+    assert canonical_name("decoder.layers.2.mlp.experts.linear_fc2.weight3") == m + "experts.local_experts.3.linear_fc2.weight"
+    settings = moe_settings(hf_config, 2)
+    assert (settings["num_moe_experts"], settings["moe_router_topk"], settings["moe_ffn_hidden_size"]) == (4, 2, 32)
+    assert settings["moe_router_score_function"] == "softmax" and settings["moe_router_pre_softmax"] is False
+    assert moe_settings(tiny_config("qwen3_moe", norm_topk_prob=False))["moe_router_pre_softmax"] is True
+    with pytest.raises(ValueError, match="num_experts 4 is not divisible by expert_model_parallel_size 3"):
+        moe_settings(hf_config, 3)
+    with pytest.raises(ValueError, match="expert_model_parallel_size 2 needs a mixture-of-experts model"):
+        moe_settings(tiny_config("qwen3"), 2)
+    with pytest.raises(UnsupportedModelError, match=r"qwen3_moe: dense MLP layers \(mlp_only_layers=\[1\]"):
+        get_model_mapping(tiny_config("qwen3_moe", mlp_only_layers=[1]))
 
 
 @pytest.mark.unit
@@ -109,8 +144,9 @@ def test_wrong_shape_names_tensor_and_both_shapes(qwen2_dir):
 def test_unsupported_architectures_are_clear_errors():
     from transformers import GPT2Config
 
-    assert supported_architectures() == ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
-    with pytest.raises(UnsupportedModelError, match="supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    assert supported_architectures() == ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                         "Qwen3MoeForCausalLM"]
+    with pytest.raises(UnsupportedModelError, match="supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
         get_model_mapping(GPT2Config())
     with pytest.raises(UnsupportedModelError, match="attention_bias"):
         get_model_mapping(tiny_config("llama", attention_bias=True))
