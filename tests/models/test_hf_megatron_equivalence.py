@@ -258,6 +258,63 @@ def test_logits_export_and_load_errors_tp1_tp2_pp2(tiny_dirs, tokens, hf_logits,
         assert "model_type='llama'" in arch_error and "model_type='qwen2'" in arch_error, arch_error
 
 
+def _run_moe_layouts(rank: int, world_size: int, layouts, model_dir: str, tokens: torch.Tensor) -> dict:
+    """Per (TP, PP, EP, expert TP) layout: this data-parallel rank's logits of its own row of ``tokens`` (so the
+    expert-parallel ranks route different tokens), and the export check where experts are not split over EP."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_gigpo.actor import distributed
+    from megatron_gigpo.models.builder import build_gpt_model, load_hf_config
+    from megatron_gigpo.models.weights import load_hf_weights
+
+    results = {}
+    for tp, pp, ep, etp in layouts:
+        distributed.initialize(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        hf_config = load_hf_config(model_dir)
+        model = build_gpt_model(hf_config)
+        load_hf_weights(model, model_dir)
+        model.eval()
+        row = ps.get_data_parallel_rank() % tokens.shape[0]
+        logits = _megatron_logits(model, tokens[row : row + 1], hf_config.vocab_size)
+        results[(tp, pp, ep, etp)] = {
+            "row": row,
+            "logits": logits if ps.get_tensor_model_parallel_rank() == 0 else None,
+            "rank0": _check_export(model, Path(model_dir), "rank0") if ep == 1 else None,
+        }
+        distributed.destroy(process_group=False)
+    return results
+
+
+@pytest.mark.multiprocess
+def test_qwen3_moe_logits_ep1_ep2_tp2(tmp_path_factory, tokens):
+    """Tiny Qwen3-MoE (4 experts, top-2 renormalised, every layer MoE) through megatron-core's MoE layer on two gloo
+    ranks: EP1 (DP2), EP2 (two experts per rank, each rank routing its own tokens through the all-gather dispatcher),
+    TP2 (experts split over TP too) and TP2 x EP2 (expert TP 1) give transformers' logits; at EP1 the export returns
+    every expert's HF tensors bit-exactly."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_tiny_hf_model(tmp_path_factory.mktemp("moe"), "qwen3_moe", tie=True, seed=5)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(tokens).logits  # (B, T, V)
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as handle:
+        names = set(handle.keys())
+    layouts = [(1, 1, 1, 1), (1, 1, 2, 1), (2, 1, 1, 2), (2, 1, 2, 1)]
+    per_rank = spawn(_run_moe_layouts, 2, layouts, str(model_dir), tokens, timeout=600)
+    for layout in layouts:
+        runs = [r[layout] for r in per_rank]
+        where = "TP{} PP{} EP{} expert-TP{}".format(*layout)
+        assert [run["logits"] is not None for run in runs].count(True) >= 1, where
+        for run in runs:
+            if run["logits"] is not None:
+                torch.testing.assert_close(run["logits"], expected[run["row"] : run["row"] + 1], atol=ATOL, rtol=0,
+                                           msg=where)
+        if layout[2] == 1:
+            _assert_export([run["rank0"] for run in runs], names, 1, where)
+    assert {run[(1, 1, 2, 1)]["row"] for run in per_rank} == {0, 1}  # EP2: the ranks routed different tokens
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_logits_and_export_tp2xpp2(tiny_dirs, tokens, hf_logits, hf_names):
