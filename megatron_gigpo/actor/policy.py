@@ -30,7 +30,7 @@ from megatron_gigpo.actor.checkpoint import CheckpointState, load_actor_checkpoi
 from megatron_gigpo.actor.config import ActorConfig
 from megatron_gigpo.actor.logprob import HeadSettings, run_forward_only
 from megatron_gigpo.actor.update import MiniBatchPlan, RowData, train_mini_batch
-from megatron_gigpo.models.builder import build_gpt_model, load_hf_config
+from megatron_gigpo.models.builder import build_gpt_model, load_hf_config, moe_settings
 from megatron_gigpo.models.checkpoint import write_model_sidecar
 from megatron_gigpo.models.weights import export_hf_weights, export_metadata, load_hf_weights
 
@@ -58,7 +58,9 @@ class PolicyActor:
     def __init__(self, config: ActorConfig) -> None:
         config.validate()
         p = config.parallel
-        distributed.initialize(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, seed=config.trainer.seed)
+        distributed.initialize(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, seed=config.trainer.seed,
+                               expert_model_parallel_size=p.expert_model_parallel_size,
+                               expert_tensor_parallel_size=p.expert_tensor_parallel_size)
         config.validate(dist.get_world_size())
         self.config = config
         self.device = distributed.device()
@@ -97,6 +99,8 @@ class PolicyActor:
             # models, so name the one that supports it.
             overrides["variable_seq_lengths"] = True
             overrides["moe_token_dispatcher_type"] = "alltoall"
+        if moe_settings(self.hf_config, parallel_state.get_expert_model_parallel_world_size()):
+            overrides["moe_aux_loss_coeff"] = self.config.loss.moe_aux_loss_coeff
         model = build_gpt_model(self.hf_config, params_dtype=self.config.torch_dtype, **overrides)
         load_hf_weights(model, self.config.model_path)
         if self.config.trainer.sequence_packing:
