@@ -259,8 +259,9 @@ def test_logits_export_and_load_errors_tp1_tp2_pp2(tiny_dirs, tokens, hf_logits,
 
 
 def _run_moe_layouts(rank: int, world_size: int, layouts, model_dir: str, tokens: torch.Tensor) -> dict:
-    """Per (TP, PP, EP, expert TP) layout: this data-parallel rank's logits of its own row of ``tokens`` (so the
-    expert-parallel ranks route different tokens), and the export check where experts are not split over EP."""
+    """Per (TP, PP, EP, expert TP, token dispatcher) layout: this data-parallel rank's logits of its own row of
+    ``tokens`` (so the expert-parallel ranks route different tokens), and the export check where experts are not
+    split over EP."""
     from megatron.core import parallel_state as ps
 
     from megatron_gigpo.actor import distributed
@@ -268,15 +269,15 @@ def _run_moe_layouts(rank: int, world_size: int, layouts, model_dir: str, tokens
     from megatron_gigpo.models.weights import load_hf_weights
 
     results = {}
-    for tp, pp, ep, etp in layouts:
+    for tp, pp, ep, etp, dispatcher in layouts:
         distributed.initialize(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
         hf_config = load_hf_config(model_dir)
-        model = build_gpt_model(hf_config)
+        model = build_gpt_model(hf_config, moe_token_dispatcher_type=dispatcher)
         load_hf_weights(model, model_dir)
         model.eval()
         row = ps.get_data_parallel_rank() % tokens.shape[0]
         logits = _megatron_logits(model, tokens[row : row + 1], hf_config.vocab_size)
-        results[(tp, pp, ep, etp)] = {
+        results[(tp, pp, ep, etp, dispatcher)] = {
             "row": row,
             "logits": logits if ps.get_tensor_model_parallel_rank() == 0 else None,
             "rank0": _check_export(model, Path(model_dir), "rank0") if ep == 1 else None,
@@ -286,11 +287,12 @@ def _run_moe_layouts(rank: int, world_size: int, layouts, model_dir: str, tokens
 
 
 @pytest.mark.multiprocess
-def test_qwen3_moe_logits_ep1_ep2_tp2(tmp_path_factory, tokens):
+def test_qwen3_moe_logits_ep1_ep2_tp2_pp2(tmp_path_factory, tokens):
     """Tiny Qwen3-MoE (4 experts, top-2 renormalised, every layer MoE) through megatron-core's MoE layer on two gloo
-    ranks: EP1 (DP2), EP2 (two experts per rank, each rank routing its own tokens through the all-gather dispatcher),
-    TP2 (experts split over TP too) and TP2 x EP2 (expert TP 1) give transformers' logits; at EP1 the export returns
-    every expert's HF tensors bit-exactly."""
+    ranks: EP1 (DP2), EP2 (two experts per rank, each rank routing its own tokens) with the all-gather and the
+    all-to-all dispatcher (the latter through cpu_compat's host-side splits), TP2 (experts split over TP too),
+    TP2 x EP2 (expert TP 1) and PP2 give transformers' logits; without EP the export returns every expert's HF
+    tensors bit-exactly."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
@@ -300,11 +302,12 @@ def test_qwen3_moe_logits_ep1_ep2_tp2(tmp_path_factory, tokens):
         expected = hf(tokens).logits  # (B, T, V)
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as handle:
         names = set(handle.keys())
-    layouts = [(1, 1, 1, 1), (1, 1, 2, 1), (2, 1, 1, 2), (2, 1, 2, 1)]
+    layouts = [(1, 1, 1, 1, "allgather"), (1, 1, 2, 1, "allgather"), (1, 1, 2, 1, "alltoall"),
+               (2, 1, 1, 2, "allgather"), (2, 1, 2, 1, "allgather"), (1, 2, 1, 1, "allgather")]
     per_rank = spawn(_run_moe_layouts, 2, layouts, str(model_dir), tokens, timeout=600)
     for layout in layouts:
         runs = [r[layout] for r in per_rank]
-        where = "TP{} PP{} EP{} expert-TP{}".format(*layout)
+        where = "TP{} PP{} EP{} expert-TP{} {}".format(*layout)
         assert [run["logits"] is not None for run in runs].count(True) >= 1, where
         for run in runs:
             if run["logits"] is not None:
@@ -312,7 +315,7 @@ def test_qwen3_moe_logits_ep1_ep2_tp2(tmp_path_factory, tokens):
                                            msg=where)
         if layout[2] == 1:
             _assert_export([run["rank0"] for run in runs], names, 1, where)
-    assert {run[(1, 1, 2, 1)]["row"] for run in per_rank} == {0, 1}  # EP2: the ranks routed different tokens
+    assert {run[(1, 1, 2, 1, "alltoall")]["row"] for run in per_rank} == {0, 1}  # EP2: the ranks routed different tokens
 
 
 @pytest.mark.multiprocess
