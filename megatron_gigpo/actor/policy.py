@@ -9,6 +9,8 @@ log-probs through Megatron's pipeline schedules), :mod:`.update` (one optimizer 
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -199,10 +201,25 @@ class PolicyActor:
         groups = plan_micro_batches([lengths[r] for r in rows], budget, padded=not self.config.trainer.sequence_packing)
         return [[rows[i] for i in g] for g in groups]
 
-    def _build(self, batch, plan: Sequence[Sequence[int]]) -> list:
+    def _build(self, batch, plan: Sequence[Sequence[int]], stand_ins: int = 0) -> list:
+        """Micro-batches of ``plan``, then ``stand_ins`` stand-in micro-batches (:attr:`MicroBatch.stand_in`)."""
         packed, multiple = self.config.trainer.sequence_packing, self.config.sequence_multiple
-        return [build_micro_batch(rows, batch.prompt_ids, batch.response_ids, packed=packed, pad_to_multiple=multiple)
-                for rows in plan]
+        built = [build_micro_batch(rows, batch.prompt_ids, batch.response_ids, packed=packed, pad_to_multiple=multiple)
+                 for rows in plan]
+        if stand_ins:
+            lengths = _lengths(batch.prompt_ids, batch.response_ids)
+            shortest = min(range(len(lengths)), key=lambda r: (lengths[r], r))
+            extra = build_micro_batch([shortest], batch.prompt_ids, batch.response_ids, packed=packed,
+                                      pad_to_multiple=multiple)
+            built += [dataclasses.replace(extra, stand_in=True) for _ in range(stand_ins)]
+        return built
+
+    def _expert_parallel_stand_ins(self, plans: Sequence[Sequence[Sequence[int]]], mine: int) -> int:
+        """Stand-in micro-batches this rank adds so that it runs as many as every other data-parallel rank (with
+        expert parallelism: every MoE layer's dispatch is a collective of the expert-parallel group); 0 without."""
+        if parallel_state.get_expert_model_parallel_world_size() == 1:
+            return 0
+        return max(len(plan) for plan in plans) - mine
 
     def _forward(self, batch, *, reference: bool, with_entropy: bool):
         if reference and not self.config.loss.use_kl_loss:
@@ -220,10 +237,13 @@ class PolicyActor:
         plans = self._dp_plans(lengths, range(len(lengths)), budget)
         dp_rank = parallel_state.get_data_parallel_rank()
         head = self._head(with_entropy=with_entropy, entropy_grad=False)
-        # A rank without rows skips the pass; so does its whole model-parallel group (same data-parallel rank).
+        # A rank without rows skips the pass; so does its whole model-parallel group (same data-parallel rank),
+        # unless expert parallelism keeps it in step with its peers (stand-in micro-batches, outputs dropped).
         outputs = []
-        if plans[dp_rank]:
-            outputs = run_forward_only(chunks, self._build(batch, plans[dp_rank]), head, self.device)
+        stand_ins = self._expert_parallel_stand_ins(plans, len(plans[dp_rank]))
+        if plans[dp_rank] or stand_ins:
+            outputs = run_forward_only(chunks, self._build(batch, plans[dp_rank], stand_ins), head, self.device)
+            outputs = outputs[: len(plans[dp_rank])]  # the last stage's; empty elsewhere
         fields = ["log_probs"] + (["entropy"] if with_entropy else [])
         results = self._gather_rows(plans, outputs, fields, resp)
         return results["log_probs"], results.get("entropy")
@@ -375,7 +395,7 @@ class PolicyActor:
         if stand_in:  # fewer rows than data-parallel ranks: the shortest row, weighted zero
             mine = [[min(mini, key=lambda r: (lengths[r], r))]]
         plan = MiniBatchPlan(
-            micro_batches=self._build(batch, mine),
+            micro_batches=self._build(batch, mine, self._expert_parallel_stand_ins(row_plans, len(mine))),
             total_tokens=sum(resp[r] for r in mini),
             total_sequences=sum(1 for r in mini if resp[r] > 0),
             stand_in=stand_in,

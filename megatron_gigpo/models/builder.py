@@ -185,8 +185,9 @@ def moe_settings(hf_config: Any, expert_model_parallel_size: int = 1) -> dict[st
     the k chosen logits: megatron-core's ``moe_router_score_function="softmax"`` with
     ``moe_router_pre_softmax=False``; without renormalisation, ``moe_router_pre_softmax=True`` (softmax over all
     experts, then top-k, weights unchanged). Tokens are never dropped (no capacity factor). The experts: grouped GEMM
-    and the all-to-all token dispatcher with Transformer-Engine on CUDA, else megatron-core's ``SequentialMLP`` and
-    the all-gather dispatcher (the all-to-all dispatcher creates a CUDA stream in its constructor). The auxiliary
+    and the all-to-all token dispatcher with Transformer-Engine on CUDA, else megatron-core's ``SequentialMLP``,
+    with the all-to-all dispatcher under expert parallelism (each rank's token count differs; on the CPU through
+    ``cpu_compat``'s host-side splits) and the all-gather dispatcher without it. The auxiliary
     load-balancing loss (``moe_router_load_balancing_type="aux_loss"``) is off (``moe_aux_loss_coeff=0``) unless the
     caller overrides the coefficient.
 
@@ -212,7 +213,8 @@ def moe_settings(hf_config: Any, expert_model_parallel_size: int = 1) -> dict[st
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=0.0,
         moe_grouped_gemm=grouped,
-        moe_token_dispatcher_type="alltoall" if grouped else "allgather",
+        # all-gather needs as many tokens on every expert-parallel rank; the data-parallel ranks' micro-batches differ
+        moe_token_dispatcher_type="alltoall" if grouped or expert_model_parallel_size > 1 else "allgather",
     )
 
 
