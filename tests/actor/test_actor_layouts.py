@@ -27,14 +27,15 @@ from tiny_models import make_tiny_hf_model
 from torch.nn.utils.rnn import pad_sequence
 
 LAYOUTS = {"tp2": (2, 1, False), "pp2": (1, 2, False), "dp2_distopt": (1, 1, True)}
+MOE_ROWS = 7
 
 
 def _run_layout(model_dir, tp: int, pp: int, distributed_optimizer: bool, *, extra: bool, export: bool = True,
-                **settings) -> dict:
+                rows: int = 8, **settings) -> dict:
     from megatron_gigpo.actor import distributed
     from megatron_gigpo.actor.policy import PolicyActor
 
-    batch = make_batch()
+    batch = make_batch(rows)
     config = actor_config(model_dir, tp=tp, pp=pp, use_distributed_optimizer=distributed_optimizer, **settings)
     # Adam's first step is lr * g / (|g| + eps): with the default eps, parameters whose gradient is rounding
     # noise (e.g. k_proj.bias, which softmax ignores) move by +-lr in a layout-dependent direction. A larger
@@ -68,9 +69,11 @@ def _two_rank_layouts(rank: int, world_size: int, model_dir, qwen3_dir, moe_dir)
     }
     results["qwen3_tp2"] = _run_layout(qwen3_dir, 2, 1, False, extra=False)
     results["qwen3_tp2_sp"] = _run_layout(qwen3_dir, 2, 1, False, extra=False, sequence_parallel=True)
-    # the export gathers no experts over EP yet (megatron_gigpo.models.weights refuses EP > 1)
-    results["qwen3_moe_ep2"] = _run_layout(moe_dir, 1, 1, False, extra=False, export=False,
-                                           expert_model_parallel_size=2)
+    # the export gathers no experts over EP yet (megatron_gigpo.models.weights refuses EP > 1). 7 rows, one per
+    # micro-batch: 4 micro-batches on one rank, 3 and a stand-in on the other
+    results["qwen3_moe_ep2"] = _run_layout(moe_dir, 1, 1, False, extra=False, export=False, rows=MOE_ROWS,
+                                           expert_model_parallel_size=2, micro_batch_tokens=1,
+                                           log_prob_micro_batch_tokens=1)
     results["micro_batching"] = [_seq_mean_update(model_dir, budget) for budget in (24, 10**6)]
     try:  # THD packing with Megatron's local attention spec (the CPU spec)
         PolicyActor(actor_config(model_dir, tp=2, sequence_packing=True))
@@ -262,12 +265,12 @@ def test_qwen3_at_tp2_matches_hugging_face_log_probs_and_first_step(two_rank_run
 @pytest.mark.multiprocess
 def test_qwen3_moe_at_ep2_matches_hugging_face_log_probs_and_first_step(two_rank_runs, moe_dir):
     """Tiny Qwen3-MoE through the actor with its 4 experts split over two expert-parallel ranks (which are its two
-    data-parallel ranks, each with its own rows and micro-batches, padded to the same count with stand-ins):
-    log-probs and entropies equal transformers', the first update's loss and gradient norm are the objective's on
-    transformers' log-probs (expert gradients from both ranks' tokens, averaged as the dense ones), and the second
-    update's loss is lower."""
-    hf_lp, hf_ent = hf_log_probs_and_entropy(moe_dir, make_batch())
-    pg_loss, grad_norm = _hf_first_step(moe_dir, make_batch(), actor_config(moe_dir))
+    data-parallel ranks, each with its own rows: 4 micro-batches on one, 3 and a stand-in on the other, since every
+    MoE layer's token dispatch is a collective of both): log-probs and entropies equal transformers', the first
+    update's loss and gradient norm are the objective's on transformers' log-probs (expert gradients from both
+    ranks' tokens, averaged as the dense ones), and the second update's loss is lower."""
+    hf_lp, hf_ent = hf_log_probs_and_entropy(moe_dir, make_batch(MOE_ROWS))
+    pg_loss, grad_norm = _hf_first_step(moe_dir, make_batch(MOE_ROWS), actor_config(moe_dir))
     for rank_results in two_rank_runs:
         run = rank_results["qwen3_moe_ep2"]
         assert _max_diff(run["log_probs"], hf_lp) < 1e-4 and _max_diff(run["entropy"], hf_ent) < 1e-4
