@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face models (Qwen2 / Llama) with a working tokenizer, for tests.
+"""Tiny random Hugging Face models (Qwen2 / Qwen3 / Llama) with a working tokenizer, for tests.
 
 ``make_tiny_hf_model(tmp_path, arch="qwen2", tie=False)`` writes ``config.json``, ``model.safetensors``,
 ``generation_config.json`` and a fast BPE tokenizer (``tokenizer.json`` + ``tokenizer_config.json`` with a
@@ -59,9 +59,16 @@ def make_tiny_tokenizer(out_dir: Path, vocab_size: int):
     return tokenizer
 
 
+#: The tiny Qwen3-MoE's experts: 4 per layer, top-2 renormalised (as Qwen3-30B-A3B), expert FFN 32.
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=32,
+                decoder_sparse_step=1, mlp_only_layers=[])
+
+
 def tiny_config(arch: str = "qwen2", *, tie: bool = False, vocab_size: int = 512, **overrides):
-    """A transformers config for a tiny model: hidden 64, 4 heads, 2 KV heads, 4 layers, FFN 128."""
-    from transformers import LlamaConfig, Qwen2Config
+    """A transformers config for a tiny model: hidden 64, 4 heads, 2 KV heads, 4 layers, FFN 128; Qwen3's and
+    Qwen3-MoE's head_dim is 32 unless overridden (not hidden / heads = 16: its q/k/o projections are not square);
+    ``qwen3_moe``: :data:`TINY_MOE` experts in every layer."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         hidden_size=64,
@@ -80,9 +87,13 @@ def tiny_config(arch: str = "qwen2", *, tie: bool = False, vocab_size: int = 512
     common.update(overrides)
     if arch == "qwen2":
         return Qwen2Config(rope_theta=1_000_000.0, **common)
+    if arch == "qwen3":
+        return Qwen3Config(**{"rope_theta": 1_000_000.0, "head_dim": 32, **common})
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**{"rope_theta": 1_000_000.0, "head_dim": 32, **TINY_MOE, **common})
     if arch == "llama":
         return LlamaConfig(**common)
-    raise ValueError(f"unknown tiny arch {arch!r}; use 'qwen2' or 'llama'")
+    raise ValueError(f"unknown tiny arch {arch!r}; use 'qwen2', 'qwen3', 'qwen3_moe' or 'llama'")
 
 
 def make_tiny_hf_model(

@@ -41,6 +41,9 @@ class MicroBatch:
             into the decoder output viewed as (S * B, H) of the position that predicts it.
         labels: int64 (N,), the response token ids.
         response_lengths: per row, the number of response tokens R_i (sum = N).
+        stand_in: a copy of another rank's row that only keeps this rank in step with its expert-parallel peers
+            (each MoE layer's token dispatch is a collective of the expert-parallel group, so its ranks run the
+            same number of micro-batches): loss multiplied by zero, outputs dropped.
     """
 
     rows: list[int]
@@ -50,6 +53,7 @@ class MicroBatch:
     hidden_index: torch.Tensor
     labels: torch.Tensor
     response_lengths: list[int]
+    stand_in: bool = False
 
     @property
     def num_response_tokens(self) -> int:
@@ -76,6 +80,7 @@ class MicroBatch:
             hidden_index=self.hidden_index.to(device),
             labels=self.labels.to(device),
             response_lengths=self.response_lengths,
+            stand_in=self.stand_in,
         )
 
 

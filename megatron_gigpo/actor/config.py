@@ -49,6 +49,17 @@ class ParallelConfig:
     # linear layers keep for backward are split over the TP ranks along the sequence (activations of those parts
     # / TP). Needs tensor_model_parallel_size > 1; not with LoRA adapters.
     sequence_parallel: bool = False
+    # Mixture-of-experts models only: each of EP ranks holds num_experts / EP experts of every MoE layer (megatron-core
+    # expert parallelism: the experts' ranks are carved out of the data-parallel ranks, so expert TP x EP x PP must
+    # divide the world); expert_tensor_parallel_size splits each expert's linear layers (null: megatron-core's
+    # default, tensor_model_parallel_size)
+    expert_model_parallel_size: int = num(1, ge=1)
+    expert_tensor_parallel_size: int | None = num(None, ge=1)
+
+    @property
+    def expert_tensor_parallel(self) -> int:
+        """The experts' TP size megatron-core uses: ``expert_tensor_parallel_size``, or the TP size when null."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
 
 @dataclass
@@ -213,6 +224,10 @@ class ActorConfig:
         if world_size % (tp * pp):
             raise ValueError(f"ActorConfig: world size {world_size} is not divisible by tensor_model_parallel_size "
                              f"{tp} x pipeline_model_parallel_size {pp}")
+        ep, etp = self.parallel.expert_model_parallel_size, self.parallel.expert_tensor_parallel
+        if world_size % (etp * ep * pp):
+            raise ValueError(f"ActorConfig: world size {world_size} is not divisible by expert_tensor_parallel_size "
+                             f"{etp} x expert_model_parallel_size {ep} x pipeline_model_parallel_size {pp}")
         dp = world_size // (tp * pp)
         if self.trainer.ppo_mini_batch_size < dp:
             raise ValueError(

@@ -48,6 +48,21 @@ What ``enable()`` changes (call sites are megatron-core 0.16.1, ``megatron/core/
      (schedules.py:596,983,2138, device="cuda" for ``total_num_tokens``); device rewrite only, the model's
      own ``Tensor.type()`` is left alone. ``get_forward_backward_func`` looks these names up at call time.
 
+5. Without Transformer-Engine, ``transformer.moe.moe_utils`` leaves ``te_general_gemm`` undefined (it is bound only
+   inside the module's ``try: import transformer_engine``), yet ``RouterGatingLinearFunction.forward`` /
+   ``backward`` (moe_utils.py:1192,1225) test ``te_general_gemm is not None``: every MoE router raises
+   ``NameError``. :func:`define_missing_te_names` binds it to None, so the router takes its own ``torch.mm``
+   branch. Not CPU-specific (a CUDA machine without TE has the same bug), so the model builder calls it for MoE
+   models whatever the device; ``enable()`` calls it too.
+
+6. ``transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher`` (the only dispatcher megatron-core allows with
+   ``variable_seq_lengths``, which pipeline parallelism needs here) creates a class-wide ``torch.cuda.Stream()`` in
+   its constructor (token_dispatcher.py:444) and, in ``_maybe_dtoh_and_synchronize`` (:862-900), copies the routing
+   counts to the host on that stream, records an event and later waits on it. On the CPU the counts already are host
+   tensors: the stream slot is filled with a placeholder before any dispatcher is built, and the method is replaced
+   by :func:`_host_splits`, which makes the same conversions (the splits to numpy arrays, as the GPU path leaves
+   them) with no stream and no event.
+
 Not covered (GPU-only features, unsupported on CPU anyway): fp16 loss scaling (optimizer/grad_scaler.py),
 CUDA graphs, NCCL userbuffers, multiple distributed-optimizer instances, the fully-parallel
 dist_checkpointing exchange (dist_checkpointing/exchange_utils.py).
@@ -65,7 +80,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-__all__ = ["enable", "is_enabled", "cpu_device_scope"]
+__all__ = ["enable", "is_enabled", "cpu_device_scope", "define_missing_te_names"]
 
 _ENABLED = False
 
@@ -218,6 +233,33 @@ class _DropCpuRngWarning(logging.Filter):
         return record.getMessage() != "CPU RNG state changed within GPU RNG context"
 
 
+def _host_splits(self, point: str, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` on the CPU (module docstring, item 6)."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def _patch_alltoall_dispatcher() -> None:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "no CUDA stream on the CPU"
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _host_splits
+
+
+def define_missing_te_names() -> None:
+    """Bind ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` to None when Transformer-Engine is absent
+    (module docstring, item 5). Idempotent; leaves a real binding alone."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def enable() -> None:
     """Make megatron-core usable on this CPU-only process (see the module docstring for every patch).
 
@@ -231,4 +273,6 @@ def enable() -> None:
     torch.cuda.synchronize = lambda device=None: None
     _map_cuda_rng_to_cpu()
     _wrap_scoped_calls()
+    define_missing_te_names()
+    _patch_alltoall_dispatcher()
     _ENABLED = True

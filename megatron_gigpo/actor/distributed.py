@@ -74,6 +74,8 @@ def initialize(
     pipeline_model_parallel_size: int,
     *,
     virtual_pipeline_model_parallel_size: int | None = None,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
     seed: int = 1234,
     backend: str | None = None,
     timeout_s: float = 1800.0,
@@ -84,6 +86,10 @@ def initialize(
         tensor_model_parallel_size: TP degree; must divide the world size.
         pipeline_model_parallel_size: PP degree; TP * PP must divide the world size, the rest is DP.
         virtual_pipeline_model_parallel_size: interleaved-pipeline chunks per rank, or None.
+        expert_model_parallel_size: EP degree (mixture-of-experts layers: each EP rank holds experts / EP of
+            them); expert TP x EP x PP must divide the world size (megatron-core's expert groups).
+        expert_tensor_parallel_size: TP degree of the experts' linear layers; None: megatron-core's default,
+            ``tensor_model_parallel_size``.
         seed: base seed. As in Megatron-LM's ``_set_random_seed``, each pipeline stage uses
             ``seed + 100 * pp_rank`` for the CPU generator; the model-parallel RNG tracker then derives
             its TP/DP streams from that (``model_parallel_cuda_manual_seed``).
@@ -107,21 +113,34 @@ def initialize(
             f"world size {world_size} is not divisible by tensor_model_parallel_size "
             f"{tensor_model_parallel_size} x pipeline_model_parallel_size {pipeline_model_parallel_size}"
         )
+    expert_tp = tensor_model_parallel_size if expert_tensor_parallel_size is None else expert_tensor_parallel_size
+    expert_parallel = expert_tp * expert_model_parallel_size * pipeline_model_parallel_size
+    if expert_model_parallel_size < 1 or expert_tp < 1 or world_size % expert_parallel:
+        raise ValueError(
+            f"world size {world_size} is not divisible by expert_tensor_parallel_size {expert_tp} x "
+            f"expert_model_parallel_size {expert_model_parallel_size} x pipeline_model_parallel_size "
+            f"{pipeline_model_parallel_size}"
+        )
     if parallel_state.model_parallel_is_initialized():
         current = (
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_world_size(),
         )
-        if current != (tensor_model_parallel_size, pipeline_model_parallel_size):
+        requested = (tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size, expert_tp)
+        if current != requested:
             raise RuntimeError(
-                f"Megatron model parallel is already initialised with (TP, PP) = {current}, "
-                f"requested ({tensor_model_parallel_size}, {pipeline_model_parallel_size}); call destroy() first"
+                f"Megatron model parallel is already initialised with (TP, PP, EP, expert TP) = {current}, "
+                f"requested {requested}; call destroy() first"
             )
     else:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+            expert_model_parallel_size=expert_model_parallel_size,
+            expert_tensor_parallel_size=expert_tp,
             distributed_timeout_minutes=max(1, int(round(timeout_s / 60))),
         )
     stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()

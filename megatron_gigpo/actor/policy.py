@@ -9,6 +9,8 @@ log-probs through Megatron's pipeline schedules), :mod:`.update` (one optimizer 
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -30,7 +32,7 @@ from megatron_gigpo.actor.checkpoint import CheckpointState, load_actor_checkpoi
 from megatron_gigpo.actor.config import ActorConfig
 from megatron_gigpo.actor.logprob import HeadSettings, run_forward_only
 from megatron_gigpo.actor.update import MiniBatchPlan, RowData, train_mini_batch
-from megatron_gigpo.models.builder import build_gpt_model, load_hf_config
+from megatron_gigpo.models.builder import build_gpt_model, load_hf_config, moe_settings
 from megatron_gigpo.models.checkpoint import write_model_sidecar
 from megatron_gigpo.models.weights import export_hf_weights, export_metadata, load_hf_weights
 
@@ -58,7 +60,9 @@ class PolicyActor:
     def __init__(self, config: ActorConfig) -> None:
         config.validate()
         p = config.parallel
-        distributed.initialize(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, seed=config.trainer.seed)
+        distributed.initialize(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, seed=config.trainer.seed,
+                               expert_model_parallel_size=p.expert_model_parallel_size,
+                               expert_tensor_parallel_size=p.expert_tensor_parallel_size)
         config.validate(dist.get_world_size())
         self.config = config
         self.device = distributed.device()
@@ -97,6 +101,8 @@ class PolicyActor:
             # models, so name the one that supports it.
             overrides["variable_seq_lengths"] = True
             overrides["moe_token_dispatcher_type"] = "alltoall"
+        if moe_settings(self.hf_config, parallel_state.get_expert_model_parallel_world_size()):
+            overrides["moe_aux_loss_coeff"] = self.config.loss.moe_aux_loss_coeff
         model = build_gpt_model(self.hf_config, params_dtype=self.config.torch_dtype, **overrides)
         load_hf_weights(model, self.config.model_path)
         if self.config.trainer.sequence_packing:
@@ -195,10 +201,25 @@ class PolicyActor:
         groups = plan_micro_batches([lengths[r] for r in rows], budget, padded=not self.config.trainer.sequence_packing)
         return [[rows[i] for i in g] for g in groups]
 
-    def _build(self, batch, plan: Sequence[Sequence[int]]) -> list:
+    def _build(self, batch, plan: Sequence[Sequence[int]], stand_ins: int = 0) -> list:
+        """Micro-batches of ``plan``, then ``stand_ins`` stand-in micro-batches (:attr:`MicroBatch.stand_in`)."""
         packed, multiple = self.config.trainer.sequence_packing, self.config.sequence_multiple
-        return [build_micro_batch(rows, batch.prompt_ids, batch.response_ids, packed=packed, pad_to_multiple=multiple)
-                for rows in plan]
+        built = [build_micro_batch(rows, batch.prompt_ids, batch.response_ids, packed=packed, pad_to_multiple=multiple)
+                 for rows in plan]
+        if stand_ins:
+            lengths = _lengths(batch.prompt_ids, batch.response_ids)
+            shortest = min(range(len(lengths)), key=lambda r: (lengths[r], r))
+            extra = build_micro_batch([shortest], batch.prompt_ids, batch.response_ids, packed=packed,
+                                      pad_to_multiple=multiple)
+            built += [dataclasses.replace(extra, stand_in=True) for _ in range(stand_ins)]
+        return built
+
+    def _expert_parallel_stand_ins(self, plans: Sequence[Sequence[Sequence[int]]], mine: int) -> int:
+        """Stand-in micro-batches this rank adds so that it runs as many as every other data-parallel rank (with
+        expert parallelism: every MoE layer's dispatch is a collective of the expert-parallel group); 0 without."""
+        if parallel_state.get_expert_model_parallel_world_size() == 1:
+            return 0
+        return max(len(plan) for plan in plans) - mine
 
     def _forward(self, batch, *, reference: bool, with_entropy: bool):
         if reference and not self.config.loss.use_kl_loss:
@@ -216,10 +237,13 @@ class PolicyActor:
         plans = self._dp_plans(lengths, range(len(lengths)), budget)
         dp_rank = parallel_state.get_data_parallel_rank()
         head = self._head(with_entropy=with_entropy, entropy_grad=False)
-        # A rank without rows skips the pass; so does its whole model-parallel group (same data-parallel rank).
+        # A rank without rows skips the pass; so does its whole model-parallel group (same data-parallel rank),
+        # unless expert parallelism keeps it in step with its peers (stand-in micro-batches, outputs dropped).
         outputs = []
-        if plans[dp_rank]:
-            outputs = run_forward_only(chunks, self._build(batch, plans[dp_rank]), head, self.device)
+        stand_ins = self._expert_parallel_stand_ins(plans, len(plans[dp_rank]))
+        if plans[dp_rank] or stand_ins:
+            outputs = run_forward_only(chunks, self._build(batch, plans[dp_rank], stand_ins), head, self.device)
+            outputs = outputs[: len(plans[dp_rank])]  # the last stage's; empty elsewhere
         fields = ["log_probs"] + (["entropy"] if with_entropy else [])
         results = self._gather_rows(plans, outputs, fields, resp)
         return results["log_probs"], results.get("entropy")
@@ -371,7 +395,7 @@ class PolicyActor:
         if stand_in:  # fewer rows than data-parallel ranks: the shortest row, weighted zero
             mine = [[min(mini, key=lambda r: (lengths[r], r))]]
         plan = MiniBatchPlan(
-            micro_batches=self._build(batch, mine),
+            micro_batches=self._build(batch, mine, self._expert_parallel_stand_ins(row_plans, len(mine))),
             total_tokens=sum(resp[r] for r in mini),
             total_sequences=sum(1 for r in mini if resp[r] > 0),
             stand_in=stand_in,

@@ -101,7 +101,7 @@ def _policy_loss_head(
     On-policy (``rows.old_log_probs is None``) its reported dict also holds ``"log_probs"``: the micro-batch's
     float32 (N,) response log-probs before the step, on the CPU (absent for a stand-in row)."""
     on_policy = rows.old_log_probs is None
-    if mb.num_response_tokens == 0 or plan.stand_in:
+    if mb.num_response_tokens == 0 or plan.stand_in or mb.stand_in:
         # only empty responses, or a stand-in row: nothing to learn, but Megatron's backward needs a loss
         # attached to the graph (a zero gradient, reduced with the other ranks' real ones)
         empty = {"log_probs": torch.zeros(0)} if on_policy and not plan.stand_in else {}

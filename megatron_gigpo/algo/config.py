@@ -63,6 +63,9 @@ class AlgorithmConfig:
     clip_ratio_high: float = num(0.2, ge=0)
     clip_ratio_c: float = num(3.0, gt=1)  # dual-clip bound for negative advantages
     entropy_coeff: float = num(0.001, ge=0)  # entropy bonus weight (subtracted from the loss)
+    # mixture-of-experts models: weight of megatron-core's load-balancing loss of each MoE layer (Switch
+    # Transformer's, moe_router_load_balancing_type aux_loss), added to the policy loss; 0: off. Dense models: unread
+    moe_aux_loss_coeff: float = num(0.0, ge=0)
     # the mean is over the whole mini-batch (all micro-batches and data-parallel ranks)
     loss_agg_mode: str = choice("token-mean", f"{_LOSSES}:LOSS_AGG_MODES")
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)

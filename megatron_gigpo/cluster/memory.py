@@ -65,8 +65,9 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _layer_params(hf: dict[str, Any]) -> tuple[int, int]:
-    """(TP-split, TP-replicated) parameters of one decoder layer (attention with the Q/K/V biases its family's
-    mapping declares, :meth:`megatron_gigpo.models.mapping.ModelMapping.qkv_bias`; gated MLP; two RMSNorm gains).
+    """(TP-split, TP-replicated) parameters of one decoder layer (attention with the Q/K/V biases and the per-head
+    query/key norm gains its family's mapping declares, :meth:`megatron_gigpo.models.mapping.ModelMapping.qkv_bias`
+    and ``qk_layernorm``; gated MLP; two RMSNorm gains).
 
     Raises:
         megatron_gigpo.models.mapping.UnsupportedModelError: a ``model_type`` with no mapping.
@@ -75,10 +76,12 @@ def _layer_params(hf: dict[str, Any]) -> tuple[int, int]:
     kv_heads = hf.get("num_key_value_heads") or heads
     d = hf.get("head_dim") or h // heads
     attention = h * heads * d + 2 * h * kv_heads * d + heads * d * h
-    if mapping_for(hf.get("model_type"), hf.get("architectures")).qkv_bias(SimpleNamespace(**hf)):  # the family says
+    mapping, family = mapping_for(hf.get("model_type"), hf.get("architectures")), SimpleNamespace(**hf)
+    if mapping.qkv_bias(family):  # the family says
         attention += heads * d + 2 * kv_heads * d
+    qk_norms = 2 * d if mapping.qk_layernorm(family) else 0  # one gain of head_dim each, on every TP rank
     mlp = 3 * h * hf["intermediate_size"]
-    return attention + mlp, 2 * h
+    return attention + mlp, 2 * h + qk_norms
 
 
 def hf_parameter_count(hf: dict[str, Any]) -> int:

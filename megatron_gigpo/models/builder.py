@@ -1,4 +1,4 @@
-"""Build a megatron-core ``GPTModel`` from a Hugging Face config (Qwen2/Qwen2.5, Llama/SmolLM2).
+"""Build a megatron-core ``GPTModel`` from a Hugging Face config (Qwen2/Qwen2.5, Qwen3 dense, Qwen3-MoE, Llama/SmolLM2).
 
 Upstream APIs: ``transformers.AutoConfig``, ``megatron.core.transformer.TransformerConfig``,
 ``megatron.core.models.gpt.GPTModel`` and its layer specs (megatron-core 0.16).
@@ -28,6 +28,7 @@ __all__ = [
     "head_dim",
     "padded_vocab_size",
     "transformer_config_from_hf",
+    "moe_settings",
     "layer_spec",
     "build_gpt_model",
     "unwrap_gpt_model",
@@ -91,7 +92,7 @@ def rope_settings(hf_config: Any) -> RopeSettings:
 
 def head_dim(hf_config: Any) -> int:
     """Attention head size: ``head_dim`` when the config sets it, else hidden_size / num_attention_heads
-    (the rule HF's Qwen2/Llama attention modules apply)."""
+    (the rule HF's attention modules apply; Qwen3 sets it apart from hidden / heads, Megatron's ``kv_channels``)."""
     explicit = getattr(hf_config, "head_dim", None)
     return int(explicit) if explicit else hf_config.hidden_size // hf_config.num_attention_heads
 
@@ -113,9 +114,14 @@ def transformer_config_from_hf(
     params_dtype: torch.dtype,
     tensor_model_parallel_size: int,
     pipeline_model_parallel_size: int,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
     **overrides: Any,
 ) -> TransformerConfig:
-    """Megatron ``TransformerConfig`` equivalent to an HF Qwen2/Llama config.
+    """Megatron ``TransformerConfig`` equivalent to an HF Qwen2/Qwen3/Qwen3-MoE/Llama config.
+
+    MoE models (:func:`moe_settings`) get megatron-core's MoE layer fields; ``expert_tensor_parallel_size`` None is
+    megatron-core's default (the tensor-parallel size).
 
     Fusions that need Apex/Transformer-Engine kernels are off; ``use_cpu_initialization`` is on without CUDA
     (megatron otherwise allocates on the GPU). Any TransformerConfig field can be set through ``overrides``
@@ -123,7 +129,7 @@ def transformer_config_from_hf(
 
     Raises:
         UnsupportedModelError: unsupported architecture or feature.
-        ValueError: heads, KV groups or layers not divisible by the TP / PP sizes.
+        ValueError: heads, KV groups or layers not divisible by the TP / PP sizes, experts not by EP.
     """
     mapping = get_model_mapping(hf_config)
     num_heads, num_groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
@@ -148,6 +154,7 @@ def transformer_config_from_hf(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=mapping.qkv_bias(hf_config),
+        qk_layernorm=mapping.qk_layernorm(hf_config),
         hidden_dropout=0.0,
         attention_dropout=float(hf_config.attention_dropout),
         init_method_std=float(hf_config.initializer_range),
@@ -160,10 +167,55 @@ def transformer_config_from_hf(
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
         **_params_dtype_flags(params_dtype),
+        **moe_settings(hf_config, expert_model_parallel_size),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def moe_settings(hf_config: Any, expert_model_parallel_size: int = 1) -> dict[str, Any]:
+    """megatron-core ``TransformerConfig`` MoE fields of an HF MoE config (empty for a dense model).
+
+    Routing as Qwen3-MoE's ``Qwen3MoeTopKRouter``: logits of a bias-free linear router, softmax over all experts,
+    top ``num_experts_per_tok``, renormalised over those k when ``norm_topk_prob``. Softmax is monotone, so the
+    top-k of the logits is the top-k of the probabilities, and softmax-then-renormalise over k equals a softmax over
+    the k chosen logits: megatron-core's ``moe_router_score_function="softmax"`` with
+    ``moe_router_pre_softmax=False``; without renormalisation, ``moe_router_pre_softmax=True`` (softmax over all
+    experts, then top-k, weights unchanged). Tokens are never dropped (no capacity factor). The experts: grouped GEMM
+    and the all-to-all token dispatcher with Transformer-Engine on CUDA, else megatron-core's ``SequentialMLP``,
+    with the all-to-all dispatcher under expert parallelism (each rank's token count differs; on the CPU through
+    ``cpu_compat``'s host-side splits) and the all-gather dispatcher without it. The auxiliary
+    load-balancing loss (``moe_router_load_balancing_type="aux_loss"``) is off (``moe_aux_loss_coeff=0``) unless the
+    caller overrides the coefficient.
+
+    Raises:
+        ValueError: ``num_experts`` not divisible by ``expert_model_parallel_size``.
+    """
+    experts = get_model_mapping(hf_config).num_experts(hf_config)
+    if experts is None:
+        if expert_model_parallel_size != 1:
+            raise ValueError(f"expert_model_parallel_size {expert_model_parallel_size} needs a mixture-of-experts "
+                             f"model; {hf_config.model_type!r} is dense")
+        return {}
+    if experts % expert_model_parallel_size:
+        raise ValueError(f"num_experts {experts} is not divisible by expert_model_parallel_size "
+                         f"{expert_model_parallel_size}")
+    grouped = _transformer_engine_usable()
+    return dict(
+        num_moe_experts=experts,
+        moe_ffn_hidden_size=int(hf_config.moe_intermediate_size),
+        moe_router_topk=int(hf_config.num_experts_per_tok),
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not bool(hf_config.norm_topk_prob),
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=grouped,
+        # all-gather needs as many tokens on every expert-parallel rank; the data-parallel ranks' micro-batches differ
+        moe_token_dispatcher_type="alltoall" if grouped or expert_model_parallel_size > 1 else "allgather",
+    )
 
 
 def _transformer_engine_usable() -> bool:
@@ -191,18 +243,25 @@ class SequenceParallelTorchNorm:
 
 
 def layer_spec(config: TransformerConfig, vp_stage: int | None = None) -> Any:
-    """Transformer-Engine layer spec when TE and CUDA are present, Megatron's local spec otherwise; with
-    ``config.sequence_parallel`` and the local spec, a ``TransformerBlockSubmodules`` of this stage's layers
-    whose norms (and the final norm) are :class:`SequenceParallelTorchNorm`."""
+    """Transformer-Engine layer spec when TE and CUDA are present, Megatron's local spec otherwise (with per-head
+    query/key norms when ``config.qk_layernorm``); with ``config.sequence_parallel`` and the local spec, a
+    ``TransformerBlockSubmodules`` of this stage's layers whose norms (and the final norm) are
+    :class:`SequenceParallelTorchNorm` (the q/k norms too: torch's wrapper refuses sequence parallelism, and their
+    gradients are summed over TP either way, by ``finalize_model_grads``)."""
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+    moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
     if _transformer_engine_usable():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **moe)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization,
+                                                    qk_layernorm=config.qk_layernorm, **moe)
     if not config.sequence_parallel:
         return spec
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    if config.qk_layernorm:
+        attention = spec.submodules.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = SequenceParallelTorchNorm
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage),
                                       layer_norm=SequenceParallelTorchNorm)
 
@@ -239,8 +298,14 @@ def build_gpt_model(
             params_dtype=params_dtype,
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+            expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
             **overrides,
         )
+    if config.num_moe_experts:
+        from megatron_gigpo.actor.cpu_compat import define_missing_te_names
+
+        define_missing_te_names()  # megatron-core's router needs it without Transformer-Engine
     rope = rope_settings(hf_config)
     model = GPTModel(
         config=config,

@@ -38,10 +38,18 @@ class ArchitectureConfig:
     num_attention_heads: int = num(4, ge=1)
     num_key_value_heads: int = num(2, ge=1)
     intermediate_size: int = num(512, ge=1)
+    # attention head size (HF ``head_dim``, Megatron ``kv_channels``); null: hidden_size / num_attention_heads.
+    # Qwen3 sets it apart from that ratio (Qwen3-0.6B: 128 with 1024 / 16 = 64)
+    head_dim: int | None = num(None, ge=1)
     initializer_range: float = num(0.02, gt=0, le=1)  # std of the normal initialisation (HF ``initializer_range``)
     # null: the base tokenizer's vocabulary; N: keep its first N ids (byte-level BPE: special tokens, the 256 bytes,
     # the earliest merges), a smaller output layer and shorter tokens (models.random_init.truncate_tokenizer)
     vocab_size: int | None = num(None, ge=512)
+    # mixture-of-experts bases only (Qwen3-MoE); null: the base's value. Routed experts per layer, experts each
+    # token goes to (top-k) and each expert's FFN size (HF num_experts, num_experts_per_tok, moe_intermediate_size)
+    num_experts: int | None = num(None, ge=1)
+    num_experts_per_tok: int | None = num(None, ge=1)
+    moe_intermediate_size: int | None = num(None, ge=1)
 
 
 @dataclass

@@ -17,6 +17,18 @@ Megatron local-spec layouts (megatron-core 0.16 ``get_gpt_layer_local_spec``):
   concatenation of shards is *not* ``[gate ; up]``.
 - ``linear_proj`` / ``linear_fc2`` (RowParallel, dim 1); ``word_embeddings`` / ``output_layer``
   (vocab-parallel, dim 0, vocabulary padded to a multiple of TP; padding rows are zero and dropped on export).
+- ``self_attention.q_layernorm`` / ``k_layernorm`` (Qwen3's ``q_norm`` / ``k_norm``, with megatron-core's
+  ``qk_layernorm``): one RMSNorm gain of ``head_dim`` shared by every head, replicated over TP ranks (each rank
+  normalises its own heads; ``finalize_model_grads`` sums their gradients over TP).
+- Mixture-of-experts layers (Qwen3-MoE; megatron-core ``MoELayer`` with the local spec's ``SequentialMLP``):
+  ``mlp.router.weight`` (HF ``mlp.gate.weight``, ``[num_experts, hidden]``, replicated) and, per expert,
+  ``mlp.experts.local_experts.{e}.linear_fc1`` (``[gate_e ; up_e]``, split over the *expert*-tensor-parallel
+  ranks like the dense ``linear_fc1``) and ``.linear_fc2`` (HF ``mlp.experts.{e}.down_proj``, dim 1). An
+  expert-parallel rank holds ``num_experts / EP`` experts; megatron-core numbers them locally from 0, and
+  :func:`megatron_gigpo.models.weights.global_parameters` renames them to the global index
+  ``ep_rank * (num_experts / EP) + local`` (as it does with layer numbers), so the rules here know global
+  experts only. Grouped-GEMM experts (``TEGroupedMLP``: ``mlp.experts.linear_fc1.weight{e}``) get the same
+  canonical names (:func:`canonical_name`).
 - Transformer-Engine spec names the two norms ``self_attention.linear_qkv.layer_norm_weight`` and
   ``mlp.linear_fc1.layer_norm_weight`` (fused into the following linear); :func:`canonical_name` maps them
   to the local-spec names.
@@ -24,6 +36,7 @@ Megatron local-spec layouts (megatron-core 0.16 ``get_gpt_layer_local_spec``):
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -37,9 +50,13 @@ __all__ = [
     "VocabRule",
     "QKVRule",
     "GateUpRule",
+    "ExpertGateUpRule",
+    "ExpertCopyRule",
     "ModelMapping",
     "Qwen2Mapping",
     "LlamaMapping",
+    "Qwen3Mapping",
+    "Qwen3MoeMapping",
     "get_model_mapping",
     "supported_architectures",
     "canonical_name",
@@ -78,6 +95,12 @@ class ShardLayout:
     heads_per_group: int
     head_dim: int
     vocab_size: int  # HF vocabulary size (Megatron's may be padded up to a multiple of TP)
+    expert_tp_rank: int = 0  # position in the expert-tensor-parallel group (splits the experts' linear layers)
+    expert_tp_size: int = 1
+
+    def for_experts(self) -> "ShardLayout":
+        """This layout with the expert-tensor-parallel rank and size in place of the tensor-parallel ones."""
+        return dataclasses.replace(self, tp_rank=self.expert_tp_rank, tp_size=self.expert_tp_size)
 
 
 _TE_ALIASES = {
@@ -86,11 +109,18 @@ _TE_ALIASES = {
 }
 
 
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+
+
 def canonical_name(name: str) -> str:
-    """Local-spec name for a Megatron parameter name (maps the Transformer-Engine fused-norm names)."""
+    """Local-spec name for a Megatron parameter name (maps the Transformer-Engine fused-norm names and the
+    grouped-GEMM experts' ``mlp.experts.linear_fc1.weight{e}`` to ``mlp.experts.local_experts.{e}.linear_fc1.weight``)."""
     match = re.match(r"^(decoder\.layers\.\d+\.)(.+)$", name)
     if match and match.group(2) in _TE_ALIASES:
         return match.group(1) + _TE_ALIASES[match.group(2)]
+    grouped = _GROUPED_EXPERT.match(match.group(2)) if match else None
+    if grouped:
+        return f"{match.group(1)}mlp.experts.local_experts.{grouped.group(2)}.{grouped.group(1)}.weight"
     return name
 
 
@@ -232,6 +262,34 @@ class GateUpRule(TensorRule):
         return [(self.hf_names[0], gate), (self.hf_names[1], up)]
 
 
+@dataclass(frozen=True)
+class ExpertGateUpRule(GateUpRule):
+    """One expert's ``linear_fc1`` from its ``(gate_proj, up_proj)``, split over the expert-tensor-parallel ranks."""
+
+    def hf_shapes(self, local_shape, layout):
+        return super().hf_shapes(local_shape, layout.for_experts())
+
+    def load_shard(self, source, layout, local_shape):
+        return super().load_shard(source, layout.for_experts(), local_shape)
+
+    def merge_shards(self, shards, layout):
+        return super().merge_shards(shards, layout.for_experts())
+
+
+@dataclass(frozen=True)
+class ExpertCopyRule(CopyRule):
+    """One expert's ``linear_fc2`` (``down_proj``), split over the expert-tensor-parallel ranks."""
+
+    def hf_shapes(self, local_shape, layout):
+        return super().hf_shapes(local_shape, layout.for_experts())
+
+    def load_shard(self, source, layout, local_shape):
+        return super().load_shard(source, layout.for_experts(), local_shape)
+
+    def merge_shards(self, shards, layout):
+        return super().merge_shards(shards, layout.for_experts())
+
+
 def _require(hf_config: Any, name: str) -> Any:
     if not hasattr(hf_config, name):
         raise UnsupportedModelError(f"HF config of model_type {hf_config.model_type!r} has no field {name!r}")
@@ -247,6 +305,21 @@ class ModelMapping:
     def qkv_bias(self, hf_config: Any) -> bool:
         """Whether q/k/v projections carry biases (Megatron ``add_qkv_bias``)."""
         raise NotImplementedError
+
+    def qk_layernorm(self, hf_config: Any) -> bool:
+        """Whether queries and keys get a per-head RMSNorm before RoPE (Megatron ``qk_layernorm``; Qwen3)."""
+        return False
+
+    def num_experts(self, hf_config: Any) -> int | None:
+        """Routed experts per MoE layer (Megatron ``num_moe_experts``), None for a dense model."""
+        return None
+
+    def mlp_rules(self, hf_config: Any, m: str, h: str) -> list[TensorRule]:
+        """Rules of one layer's MLP (``m`` / ``h``: the Megatron / HF prefix of the layer): the dense SwiGLU."""
+        return [
+            GateUpRule(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), 0),
+            CopyRule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), 1),
+        ]
 
     def check_supported(self, hf_config: Any) -> None:
         """Raise :class:`UnsupportedModelError` for features Megatron's GPTModel cannot reproduce."""
@@ -267,13 +340,16 @@ class ModelMapping:
         ]
         if self.qkv_bias(hf_config):
             rules.append(QKVRule(m + "self_attention.linear_qkv.bias", tuple(n + ".bias" for n in attn), 0))
+        if self.qk_layernorm(hf_config):
+            rules += [
+                CopyRule(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), None),
+                CopyRule(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), None),
+            ]
         rules += [
             CopyRule(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), 1),
             CopyRule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), None),
-            GateUpRule(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), 0),
-            CopyRule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), 1),
         ]
-        return rules
+        return rules + self.mlp_rules(hf_config, m, h)
 
     def rules(self, hf_config: Any) -> dict[str, TensorRule]:
         """Every parameter's rule, keyed by canonical Megatron name, in HF export order.
@@ -336,14 +412,72 @@ class LlamaMapping(ModelMapping):
                 )
 
 
+class Qwen3Mapping(ModelMapping):
+    """Qwen3 dense: GQA without biases, a per-head RMSNorm on queries and keys (``q_norm`` / ``k_norm``) before
+    RoPE, ``head_dim`` independent of hidden_size / num_attention_heads, SwiGLU, tied or untied embeddings."""
+
+    model_type = "qwen3"
+    architectures = ("Qwen3ForCausalLM",)
+
+    def qkv_bias(self, hf_config):
+        return False
+
+    def qk_layernorm(self, hf_config):
+        return True
+
+    def check_supported(self, hf_config):
+        super().check_supported(hf_config)
+        if bool(_require(hf_config, "attention_bias")):
+            raise UnsupportedModelError("qwen3: attention_bias=True is not supported (Megatron has no o_proj bias)")
+        if bool(_require(hf_config, "use_sliding_window")):
+            raise UnsupportedModelError("qwen3: use_sliding_window=True is not supported")
+
+
+class Qwen3MoeMapping(Qwen3Mapping):
+    """Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): Qwen3's attention; every layer's MLP is ``num_experts`` SwiGLU experts
+    of ``moe_intermediate_size`` behind a linear router (``mlp.gate``) that picks ``num_experts_per_tok`` per token
+    (softmax over all experts, top-k, renormalised over the k when ``norm_topk_prob``); no shared expert."""
+
+    model_type = "qwen3_moe"
+    architectures = ("Qwen3MoeForCausalLM",)
+
+    def num_experts(self, hf_config):
+        return int(_require(hf_config, "num_experts"))
+
+    def mlp_rules(self, hf_config, m, h):
+        rules: list[TensorRule] = [CopyRule(m + "mlp.router.weight", (h + "mlp.gate.weight",), None)]
+        for e in range(self.num_experts(hf_config)):
+            me, he = f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}."
+            rules += [
+                ExpertGateUpRule(me + "linear_fc1.weight", (he + "gate_proj.weight", he + "up_proj.weight"), 0),
+                ExpertCopyRule(me + "linear_fc2.weight", (he + "down_proj.weight",), 1),
+            ]
+        return rules
+
+    def check_supported(self, hf_config):
+        super().check_supported(hf_config)
+        dense = list(_require(hf_config, "mlp_only_layers") or [])
+        step = int(_require(hf_config, "decoder_sparse_step"))
+        if dense or step != 1:
+            raise UnsupportedModelError(
+                f"qwen3_moe: dense MLP layers (mlp_only_layers={dense}, decoder_sparse_step={step}) are not "
+                "supported; every layer must be a MoE layer (mlp_only_layers=[], decoder_sparse_step=1)"
+            )
+        if int(_require(hf_config, "num_experts_per_tok")) > self.num_experts(hf_config):
+            raise UnsupportedModelError(f"qwen3_moe: num_experts_per_tok={hf_config.num_experts_per_tok} exceeds "
+                                        f"num_experts={hf_config.num_experts}")
+
+
 _REGISTRY: dict[str, Callable[[], ModelMapping]] = {
     Qwen2Mapping.model_type: Qwen2Mapping,
     LlamaMapping.model_type: LlamaMapping,
+    Qwen3Mapping.model_type: Qwen3Mapping,
+    Qwen3MoeMapping.model_type: Qwen3MoeMapping,
 }
 
 
 def supported_architectures() -> list[str]:
-    """HF ``architectures`` names with a mapping, e.g. ``['LlamaForCausalLM', 'Qwen2ForCausalLM']``."""
+    """HF ``architectures`` names with a mapping, sorted, e.g. ``['LlamaForCausalLM', 'Qwen2ForCausalLM', ...]``."""
     return sorted(arch for factory in _REGISTRY.values() for arch in factory.architectures)
 
 

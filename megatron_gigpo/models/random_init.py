@@ -71,6 +71,21 @@ def truncate_tokenizer(tokenizer_json: dict, vocab_size: int, *, source: str = "
     return {**tokenizer_json, "model": {**model, "vocab": vocab, "merges": merges}}
 
 
+def _default_head_dim(hf: dict) -> int | None:
+    """The head size the model family's transformers config class gives ``hf`` without a ``head_dim`` (Qwen2 and
+    Llama derive hidden_size / num_attention_heads; Qwen3 has a fixed default)."""
+    from transformers import AutoConfig
+
+    shape = {k: hf[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads") if k in hf}
+    return getattr(AutoConfig.for_model(hf["model_type"], **shape), "head_dim", None)
+
+
+# MoE bases only: model.architecture key -> its config.json names (transformers >= 5 writes Qwen3-MoE's
+# num_experts as num_local_experts; the released Qwen3-MoE configs say num_experts)
+_MOE_FIELDS = {"num_experts": ("num_experts", "num_local_experts"), "num_experts_per_tok": ("num_experts_per_tok",),
+               "moe_intermediate_size": ("moe_intermediate_size",)}
+
+
 def _random_config(base_dir: Path, architecture) -> dict:
     hf = json.loads((base_dir / "config.json").read_text())
     shape = dataclasses.asdict(architecture)
@@ -79,8 +94,27 @@ def _random_config(base_dir: Path, architecture) -> dict:
     elif shape["vocab_size"] > hf["vocab_size"]:
         raise ValueError(f"model.architecture.vocab_size={shape['vocab_size']} exceeds the base model's "
                          f"vocabulary ({hf['vocab_size']} ids in {base_dir / 'config.json'})")
+    for key, aliases in _MOE_FIELDS.items():
+        if shape.get(key) is None:
+            shape.pop(key, None)
+        elif not any(alias in hf for alias in aliases):
+            raise ValueError(f"model.architecture.{key}={shape[key]} needs a mixture-of-experts base; "
+                             f"{base_dir / 'config.json'} (model_type {hf.get('model_type')!r}) has no {key}")
+        else:
+            for alias in aliases:
+                hf.pop(alias, None)
+    hf.pop("head_dim", None)  # the base's head size does not fit the new shape: derived unless given
+    if shape.get("head_dim") is None:
+        shape.pop("head_dim", None)
     hf.update(shape)
-    hf.pop("head_dim", None)  # derived from hidden_size / num_attention_heads
+    if "head_dim" not in hf and _default_head_dim(hf) != hf["hidden_size"] // hf["num_attention_heads"]:
+        hf["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]  # Qwen3's class defaults to 128
+    kinds = set(hf.get("layer_types") or ())  # per-layer attention kinds (configs written by transformers >= 4.54)
+    if len(kinds) > 1:
+        raise ValueError(f"{base_dir / 'config.json'}: layer_types mixes {sorted(kinds)}; a random model cannot "
+                         "choose which of its layers get which")
+    if kinds:
+        hf["layer_types"] = [kinds.pop()] * hf["num_hidden_layers"]  # one per layer of the new depth
     hf.pop("quantization_config", None)
     hf["torch_dtype"] = "float32"
     return hf
@@ -111,17 +145,21 @@ def random_model_dir(base: str, architecture, seed: int, revision: str | None = 
 
     def write(tmp: Path) -> None:
         import torch
-        from safetensors.torch import save_file
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.for_model(**hf)
         with torch.random.fork_rng():
             torch.manual_seed(int(seed))
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-        if hf.get("tie_word_embeddings"):
-            state.pop("lm_head.weight", None)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # save_pretrained writes the checkpoint names (transformers >= 5 keeps Qwen3-MoE's experts fused in memory,
+        # mlp.experts.gate_up_proj, and writes them per expert, mlp.experts.{e}.gate_proj) and leaves out a tied
+        # lm_head; only its weight files are kept.
+        weights = tmp / "weights"
+        model.save_pretrained(str(weights))
+        for item in weights.iterdir():
+            if item.name.endswith(".safetensors") or item.name == "model.safetensors.index.json":
+                item.rename(tmp / item.name)
+        shutil.rmtree(weights)
         for item in base_dir.iterdir():
             if item.is_file() and item.name not in _NOT_TOKENIZER and not item.name.endswith(".safetensors") \
                     and not item.name.endswith(".bin") and item.name != "model.safetensors.index.json":

@@ -3,7 +3,7 @@
 :data:`KNOWN_MODELS` holds, per model id, the subset of its Hugging Face ``config.json`` that the layout checks
 (:mod:`megatron_gigpo.config`) and the memory estimate (:mod:`megatron_gigpo.cluster.memory`) read. A local model
 directory, or a hub id in the Hugging Face cache, is read from its own ``config.json`` instead (:func:`hf_config_for`). Sources: each model's
-``config.json`` on the Hugging Face hub (Qwen/Qwen2.5-*-Instruct, HuggingFaceTB/SmolLM2-135M-Instruct).
+``config.json`` on the Hugging Face hub (Qwen/Qwen2.5-*-Instruct, Qwen/Qwen3-*, HuggingFaceTB/SmolLM2-135M-Instruct).
 """
 
 from __future__ import annotations
@@ -23,13 +23,22 @@ def _qwen25(hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, vocab
             "tie_word_embeddings": tie, "max_position_embeddings": 32768}
 
 
+def _qwen3(hidden: int, ffn: int, layers: int, heads: int, tie: bool) -> dict[str, Any]:
+    """Qwen3 dense: 8 KV heads and head_dim 128 at every size, 151,936 ids; 32,768 positions natively plus 8,192
+    for the output (``max_position_embeddings`` 40,960; longer contexts need YaRN, which is not supported)."""
+    return {"model_type": "qwen3", "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+            "tie_word_embeddings": tie, "max_position_embeddings": 40960}
+
+
 _SMOLLM2_135M = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                  "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
                  "tie_word_embeddings": True, "max_position_embeddings": 8192}
 
 #: model id -> Hugging Face config.json subset (``max_position_embeddings``: the longest context vLLM accepts for
 #: it, prompt + response). Whether q/k/v carry biases is the model family's fact
-#: (:meth:`megatron_gigpo.models.mapping.ModelMapping.qkv_bias`), not repeated here.
+#: (:meth:`megatron_gigpo.models.mapping.ModelMapping.qkv_bias`), as are Qwen3's q/k norms (``qk_layernorm``), not
+#: repeated here.
 KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "builtin:smollm2-135m-instruct": _SMOLLM2_135M,
     "HuggingFaceTB/SmolLM2-135M-Instruct": _SMOLLM2_135M,
@@ -37,6 +46,12 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "Qwen/Qwen2.5-1.5B-Instruct": _qwen25(1536, 8960, 28, 12, 2, 151936, True),
     "Qwen/Qwen2.5-3B-Instruct": _qwen25(2048, 11008, 36, 16, 2, 151936, True),
     "Qwen/Qwen2.5-7B-Instruct": _qwen25(3584, 18944, 28, 28, 4, 152064, False),
+    "Qwen/Qwen3-0.6B": _qwen3(1024, 3072, 28, 16, True),
+    "Qwen/Qwen3-1.7B": _qwen3(2048, 6144, 28, 16, True),
+    "Qwen/Qwen3-4B": _qwen3(2560, 9728, 36, 32, True),
+    "Qwen/Qwen3-8B": _qwen3(4096, 12288, 36, 32, False),
+    "Qwen/Qwen3-14B": _qwen3(5120, 17408, 40, 40, False),
+    "Qwen/Qwen3-32B": _qwen3(5120, 25600, 64, 64, False),
 }
 
 

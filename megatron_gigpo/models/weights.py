@@ -148,8 +148,22 @@ def global_parameters(model: torch.nn.Module | Sequence[torch.nn.Module]) -> lis
             if match:
                 layer = chunk.decoder.layers[int(match.group(1))].layer_number - 1
                 name = f"decoder.layers.{layer}.{match.group(2)}"
-            out.append((canonical_name(name), param))
+            out.append((_global_expert(canonical_name(name), chunk.config), param))
     return out
+
+
+_LOCAL_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+
+
+def _global_expert(name: str, config: Any) -> str:
+    """``name`` with a local expert index (megatron-core numbers each expert-parallel rank's experts from 0)
+    replaced by the global one, ``ep_rank * num_local_experts + local``."""
+    match = _LOCAL_EXPERT.match(name)
+    if not match:
+        return name
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
+    first = parallel_state.get_expert_model_parallel_rank() * (config.num_moe_experts // ep_size)
+    return f"{match.group(1)}{first + int(match.group(2))}{match.group(3)}"
 
 
 def export_value(param: torch.nn.Parameter) -> torch.Tensor:
@@ -169,6 +183,8 @@ def shard_layout(model: torch.nn.Module | Sequence[torch.nn.Module], hf_config: 
         heads_per_group=config.num_attention_heads // config.num_query_groups,
         head_dim=config.kv_channels,
         vocab_size=int(hf_config.vocab_size),
+        expert_tp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+        expert_tp_size=parallel_state.get_expert_tensor_parallel_world_size(),
     )
 
 
@@ -182,11 +198,14 @@ _MATCHED_FIELDS = (
     "vocab_size",
     "tie_word_embeddings",
 )
+_MATCHED_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")  # MoE configs only
 
 
 def _check_same_model(model_config: Any, checkpoint_config: Any, hf_dir: Path) -> None:
-    for field in _MATCHED_FIELDS:
-        mine, theirs = getattr(model_config, field), getattr(checkpoint_config, field)
+    for field in _MATCHED_FIELDS + _MATCHED_MOE_FIELDS:
+        if field in _MATCHED_MOE_FIELDS and not hasattr(model_config, field):
+            continue
+        mine, theirs = getattr(model_config, field), getattr(checkpoint_config, field, None)
         if mine != theirs:
             raise WeightShapeError(
                 f"HF checkpoint {hf_dir} has {field}={theirs!r} but the model was built with {field}={mine!r}"
@@ -289,6 +308,9 @@ def _model_plan(model, dtype, hf_config) -> tuple[list[_Entry], dict[str, Tensor
     """``(export plan, mapping rules, hf_config)`` of ``model`` (a collective over the pipeline group)."""
     first = model[0] if isinstance(model, (list, tuple)) else model
     hf_config = hf_config_of(first, hf_config)
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        # each EP rank holds only its experts; gathering them (over the expert-parallel group) is not written yet
+        raise NotImplementedError("exporting HF weights with expert_model_parallel_size > 1 is not supported yet")
     mapping = get_model_mapping(hf_config)
     rules = mapping.rules(hf_config)
     return _export_plan(model, rules, mapping, hf_config, dtype), rules, hf_config

