@@ -262,32 +262,28 @@ class GateUpRule(TensorRule):
         return [(self.hf_names[0], gate), (self.hf_names[1], up)]
 
 
+class _ExpertTensorParallel:
+    """Mixin before a rule: its shard arithmetic runs on the expert-tensor-parallel layout
+    (``layout.for_experts()``) instead of the dense tensor-parallel one."""
+
+    def hf_shapes(self, local_shape, layout):
+        return super().hf_shapes(local_shape, layout.for_experts())
+
+    def load_shard(self, source, layout, local_shape):
+        return super().load_shard(source, layout.for_experts(), local_shape)
+
+    def merge_shards(self, shards, layout):
+        return super().merge_shards(shards, layout.for_experts())
+
+
 @dataclass(frozen=True)
-class ExpertGateUpRule(GateUpRule):
+class ExpertGateUpRule(_ExpertTensorParallel, GateUpRule):
     """One expert's ``linear_fc1`` from its ``(gate_proj, up_proj)``, split over the expert-tensor-parallel ranks."""
 
-    def hf_shapes(self, local_shape, layout):
-        return super().hf_shapes(local_shape, layout.for_experts())
-
-    def load_shard(self, source, layout, local_shape):
-        return super().load_shard(source, layout.for_experts(), local_shape)
-
-    def merge_shards(self, shards, layout):
-        return super().merge_shards(shards, layout.for_experts())
-
 
 @dataclass(frozen=True)
-class ExpertCopyRule(CopyRule):
+class ExpertCopyRule(_ExpertTensorParallel, CopyRule):
     """One expert's ``linear_fc2`` (``down_proj``), split over the expert-tensor-parallel ranks."""
-
-    def hf_shapes(self, local_shape, layout):
-        return super().hf_shapes(local_shape, layout.for_experts())
-
-    def load_shard(self, source, layout, local_shape):
-        return super().load_shard(source, layout.for_experts(), local_shape)
-
-    def merge_shards(self, shards, layout):
-        return super().merge_shards(shards, layout.for_experts())
 
 
 def _require(hf_config: Any, name: str) -> Any:
