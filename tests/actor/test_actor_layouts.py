@@ -246,19 +246,25 @@ def test_first_step_matches_the_loss_on_hugging_face(two_rank_runs, model_dir):
         assert first["actor/grad_norm"] == pytest.approx(grad_norm, rel=2e-5), name  # measured 1.4e-6
 
 
+def _assert_runs_match_hugging_face(two_rank_runs, key: str, model_dir, rows: int = 8) -> None:
+    """Every rank's ``key`` run: log-probs and entropies within 1e-4 of transformers' on ``make_batch(rows)``, the
+    first update's pg_loss and grad norm the objective's on transformers' log-probs, and a lower second loss."""
+    hf_lp, hf_ent = hf_log_probs_and_entropy(model_dir, make_batch(rows))
+    pg_loss, grad_norm = _hf_first_step(model_dir, make_batch(rows), actor_config(model_dir))
+    for rank_results in two_rank_runs:
+        run = rank_results[key]
+        assert _max_diff(run["log_probs"], hf_lp) < 1e-4 and _max_diff(run["entropy"], hf_ent) < 1e-4
+        assert run["first"]["actor/pg_loss"] == pytest.approx(pg_loss, rel=1e-5, abs=1e-6)
+        assert run["first"]["actor/grad_norm"] == pytest.approx(grad_norm, rel=2e-5)
+        assert run["second"]["actor/loss"] < run["first"]["actor/loss"] - 1e-3
+
+
 @pytest.mark.multiprocess
 def test_qwen3_at_tp2_matches_hugging_face_log_probs_and_first_step(two_rank_runs, qwen3_dir):
     """Qwen3 (q/k norms, head_dim apart from hidden / heads) through the actor at TP2: log-probs and entropies equal
     transformers', and the first update's loss and gradient norm are the objective's on transformers' log-probs
     (the q/k norm gains' gradients are summed over the TP ranks, each of which holds half of the heads)."""
-    hf_lp, hf_ent = hf_log_probs_and_entropy(qwen3_dir, make_batch())
-    pg_loss, grad_norm = _hf_first_step(qwen3_dir, make_batch(), actor_config(qwen3_dir))
-    for rank_results in two_rank_runs:
-        run = rank_results["qwen3_tp2"]
-        assert _max_diff(run["log_probs"], hf_lp) < 1e-4 and _max_diff(run["entropy"], hf_ent) < 1e-4
-        assert run["first"]["actor/pg_loss"] == pytest.approx(pg_loss, rel=1e-5, abs=1e-6)
-        assert run["first"]["actor/grad_norm"] == pytest.approx(grad_norm, rel=2e-5)
-        assert run["second"]["actor/loss"] < run["first"]["actor/loss"] - 1e-3
+    _assert_runs_match_hugging_face(two_rank_runs, "qwen3_tp2", qwen3_dir)
     assert "model.layers.0.self_attn.q_norm.weight" in two_rank_runs[0]["qwen3_tp2"]["weights"]
 
 
@@ -269,14 +275,7 @@ def test_qwen3_moe_at_ep2_matches_hugging_face_log_probs_and_first_step(two_rank
     MoE layer's token dispatch is a collective of both): log-probs and entropies equal transformers', the first
     update's loss and gradient norm are the objective's on transformers' log-probs (expert gradients from both
     ranks' tokens, averaged as the dense ones), and the second update's loss is lower."""
-    hf_lp, hf_ent = hf_log_probs_and_entropy(moe_dir, make_batch(MOE_ROWS))
-    pg_loss, grad_norm = _hf_first_step(moe_dir, make_batch(MOE_ROWS), actor_config(moe_dir))
-    for rank_results in two_rank_runs:
-        run = rank_results["qwen3_moe_ep2"]
-        assert _max_diff(run["log_probs"], hf_lp) < 1e-4 and _max_diff(run["entropy"], hf_ent) < 1e-4
-        assert run["first"]["actor/pg_loss"] == pytest.approx(pg_loss, rel=1e-5, abs=1e-6)
-        assert run["first"]["actor/grad_norm"] == pytest.approx(grad_norm, rel=2e-5)
-        assert run["second"]["actor/loss"] < run["first"]["actor/loss"] - 1e-3
+    _assert_runs_match_hugging_face(two_rank_runs, "qwen3_moe_ep2", moe_dir, MOE_ROWS)
 
 
 @pytest.mark.multiprocess
