@@ -2,7 +2,8 @@
 
 Bytes on one GPU, for the actor rank there (tensor-parallel size T, pipeline stage s of S, data-parallel size D;
 ``P_s`` = parameters of stage s that one TP rank holds, :func:`rank_parameter_count`) and the engine there
-(tensor-parallel size k, ``P`` = the model's parameters, :func:`hf_parameter_count`):
+(tensor-parallel size k, ``P`` = the model's parameters, :func:`hf_parameter_count`; a MoE rank's ``P_s`` holds
+its E / EP experts of every layer of the stage, each split over the expert TP size, :func:`rank_parameters`):
 
 =================  ================================================================================================
 weights            ``P_s x b``; b = 2 (bfloat16 / float16) or 4 (float32; the CPU path always trains in float32)
@@ -11,7 +12,10 @@ gradients          ``P_s x 4``: Megatron DDP's fp32 ``main_grad`` buffer (``grad
                    every rank with or without the distributed optimizer
 optimizer          ``P_s x (8 + m) / Z``: Adam's two fp32 moments (8 B) plus the fp32 master copy (m = 4) when
                    b = 2 (m = 0 for float32 params); Z = D with ``parallel.use_distributed_optimizer`` (ZeRO-1
-                   shards the state over data-parallel ranks), else 1 — both variants are printed
+                   shards the state over data-parallel ranks), else 1 — both variants are printed. A MoE model's
+                   expert parameters ``X_s`` (in ``P_s``) are sharded over the expert-data-parallel group instead:
+                   ``(P_s - X_s) x (8 + m) / D + X_s x (8 + m) / (T x D / (EP x T_e))`` (EP the expert-parallel,
+                   T_e the expert tensor-parallel size; megatron-core's expert-DP group)
 activations        what autograd keeps for backward during the update, per micro-batch of
                    ``trainer.micro_batch_tokens`` tokens, times the micro-batches in flight on the stage (1F1B:
                    S - s), with ``actor.recompute_*`` and ``parallel.sequence_parallel`` (their formula:
