@@ -206,7 +206,6 @@ def validate_config(cfg: Config, source: str = "config") -> None:
         errors.append(f"parallel.expert_tensor_parallel_size ({etp}) x expert_model_parallel_size ({ep}) x "
                       f"pipeline_model_parallel_size ({pp}) must divide the actor's {tp * pp * dp} ranks "
                       f"(TP x PP x DP): megatron-core carves the expert ranks out of them")
-    errors += _expert_errors(cfg)
     # World size, engine GPUs and nodes: the placement plan's own check (one place decides where things run).
     errors += placement_errors(cfg)
     try:
@@ -228,6 +227,7 @@ def validate_config(cfg: Config, source: str = "config") -> None:
         if shape.num_attention_heads % r.tensor_parallel_size or shape.num_key_value_heads % r.tensor_parallel_size:
             errors.append(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the attention and KV heads")
     errors += _context_errors(cfg)
+    errors += _expert_errors(cfg)
     if t.ppo_mini_batch_size % dp:
         errors.append(f"trainer.ppo_mini_batch_size={t.ppo_mini_batch_size} must be divisible by DP={dp}")
     if (cfg.env.num_groups * r.n) % r.num_engines:
