@@ -17,7 +17,8 @@ weights. All ``--nproc`` ranks are data-parallel (TP1); ``moe-epN`` splits the e
 parallelism, megatron-core's all-to-all token dispatcher for N > 1, all-gather for N = 1). Prints the ratios
 MoE / dense at EP1 and EP2 / EP1.
 
-CPU (gloo, float32): ``python benchmarks/actor.py``; MoE: ``python benchmarks/actor.py --layouts dense,moe-ep1,moe-ep2``.
+CPU (gloo, float32): ``python benchmarks/actor.py``; MoE:
+``python benchmarks/actor.py --layouts dense,moe-ep1,moe-ep2``.
 GPU (NCCL, bfloat16, one rank per GPU): ``python benchmarks/actor.py --device cuda --nproc <GPUs> --rows 256``;
 layouts that need more GPUs than ``--nproc`` are skipped.
 """
@@ -149,7 +150,8 @@ def _rank_main(rank: int, world_size: int, port: int, tp: int, ep: int, lora: bo
 
         dtype = args.dtype or ModelConfig(path=str(model_dir)).params_dtype(args.device)  # bf16 on CUDA, fp32 on CPU
         config = ActorConfig.build(
-            model_dir, params_dtype=dtype, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, lr=1e-6, use_kl_loss=False, entropy_coeff=0.0,
+            model_dir, params_dtype=dtype, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, lr=1e-6,
+            use_kl_loss=False, entropy_coeff=0.0,
             ppo_mini_batch_size=args.rows, micro_batch_tokens=args.micro_batch_tokens,
             log_prob_micro_batch_tokens=args.micro_batch_tokens, logprob_chunk_size=1024, shuffle=False,
             lora=LoraConfig(enabled=lora, rank=args.lora_rank, alpha=2.0 * args.lora_rank),

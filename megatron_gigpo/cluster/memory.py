@@ -59,7 +59,7 @@ from megatron_gigpo.models.specs import hf_config_for, moe_shape, padded_vocab_s
 __all__ = [
     "GPUMemory", "RankParameters", "hf_parameter_count", "moe_shape", "rank_parameters", "rank_parameter_count",
     "lora_rank_parameter_count",
-    "optimizer_bytes_per_param",
+    "optimizer_bytes_per_param", "expert_data_parallel_size",
     "estimate_memory", "format_experts", "format_memory", "memory_refusal", "policy_hf_config", "LOGPROB_CHUNK_BLOCKS",
 ]
 
@@ -162,6 +162,16 @@ def lora_rank_parameter_count(hf: dict[str, Any], tp: int, pp: int, lora) -> int
     return hf["num_hidden_layers"] // pp * sum(per_target[t] for t in lora.target_modules)
 
 
+def expert_data_parallel_size(parallel) -> int:
+    """megatron-core's expert-data-parallel size, the ranks that reduce and (distributed optimizer) shard one
+    expert's gradients and Adam state: world / (expert TP x EP x PP) = TP x DP / (expert TP x EP), at least 1
+    (``parallel``: a :class:`megatron_gigpo.actor.config.ParallelConfig`; validation refuses layouts where the
+    division is not exact)."""
+    p = parallel
+    return max(p.tensor_model_parallel_size * p.data_parallel_size
+               // (p.expert_tensor_parallel * p.expert_model_parallel_size), 1)
+
+
 def optimizer_bytes_per_param(params_dtype: str) -> int:
     """Adam state bytes per parameter before sharding: two fp32 moments, plus an fp32 master copy for 16-bit params."""
     return 8 + (4 if _BYTES[params_dtype] == 2 else 0)
@@ -235,7 +245,7 @@ def estimate_memory(cfg: PlannedRecipe, plan: PlacementPlan, hf: dict[str, Any],
     p, r = cfg.parallel, cfg.rollout
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel
-    expert_dp = max(tp * dp // (etp * ep), 1)  # megatron-core's expert-data-parallel size: world / (ETP x EP x PP)
+    expert_dp = expert_data_parallel_size(p)
     dtype = cfg.model.params_dtype(plan.cluster.device)
     b = _BYTES[dtype]
     vocab = padded_vocab_size(SimpleNamespace(vocab_size=hf["vocab_size"]), tp)
@@ -257,7 +267,8 @@ def estimate_memory(cfg: PlannedRecipe, plan: PlacementPlan, hf: dict[str, Any],
                 trained, weights, reference = params, params, params if cfg.algorithm.use_kl_loss else 0
                 per_param = optimizer_bytes_per_param(dtype)
                 # ZeRO-1: dense state over the DP group, expert state over the expert-DP group
-                opt, opt_dist = params * per_param, split.dense * per_param // dp + split.expert * per_param // expert_dp
+                opt = params * per_param
+                opt_dist = split.dense * per_param // dp + split.expert * per_param // expert_dp
                 if cfg.model.lora.enabled:  # frozen base; the reference is the base itself
                     trained = lora_rank_parameter_count(hf, tp, pp, cfg.model.lora)
                     weights, reference = params + trained, 0
@@ -286,11 +297,10 @@ def format_experts(cfg: PlannedRecipe, hf: dict[str, Any]) -> str | None:
     if not experts:
         return None
     p, t = cfg.parallel, cfg.trainer
-    tp, dp, ep, etp = (p.tensor_model_parallel_size, p.data_parallel_size, p.expert_model_parallel_size,
-                       p.expert_tensor_parallel)
+    dp, ep, etp = p.data_parallel_size, p.expert_model_parallel_size, p.expert_tensor_parallel
     nodes = sorted({r // t.devices_per_node for r in range(etp * ep)})
     return (f"experts: {experts} per layer, top-{top_k}; actor EP{ep} x expert TP{etp}: {experts // ep} experts per "
-            f"GPU; optimizer state: experts over expert-DP {max(tp * dp // (etp * ep), 1)}, the rest over DP{dp}; "
+            f"GPU; optimizer state: experts over expert-DP {expert_data_parallel_size(p)}, the rest over DP{dp}; "
             f"an EP group spans node(s) {','.join(map(str, nodes))}; engines: every expert split over "
             f"TP{cfg.rollout.tensor_parallel_size}")
 

@@ -3,7 +3,8 @@
 :data:`KNOWN_MODELS` holds, per model id, the subset of its Hugging Face ``config.json`` that the layout checks
 (:mod:`megatron_gigpo.config`) and the memory estimate (:mod:`megatron_gigpo.cluster.memory`) read. A local model
 directory, or a hub id in the Hugging Face cache, is read from its own ``config.json`` instead (:func:`hf_config_for`). Sources: each model's
-``config.json`` on the Hugging Face hub (Qwen/Qwen2.5-*-Instruct, Qwen/Qwen3-*, Qwen/Qwen3-30B-A3B, HuggingFaceTB/SmolLM2-135M-Instruct).
+``config.json`` on the Hugging Face hub (Qwen/Qwen2.5-*-Instruct, Qwen/Qwen3-*,
+Qwen/Qwen3-30B-A3B, HuggingFaceTB/SmolLM2-135M-Instruct).
 """
 
 from __future__ import annotations
