@@ -11,7 +11,10 @@ excluded), over the forward and the backward (recomputation included), and repor
 activation memory by definition, free of allocator caching and other noise an RSS reading has. Prints the
 estimate, the measurement and the relative error per size and setting.
 
-    python benchmarks/activation_memory.py [--rows 8] [--prompt-len 384] [--response-len 128]
+    python benchmarks/activation_memory.py [--rows 8] [--prompt-len 384] [--response-len 128] [--sizes dense,moe]
+
+``--sizes moe`` measures a small Qwen3-MoE instead (:data:`MOE_SIZES`; the estimate's MoE term assumes balanced
+routing, a random router is near it).
 
 What the measurement leaves out as the estimate does: the output layer's chunks (recomputed inside
 ``torch.utils.checkpoint``, whose own hooks keep them from ours; the plan's ``lp-chunk`` column) and the optimizer.
@@ -31,6 +34,13 @@ import torch
 SIZES = {  # hidden, heads, KV heads, FFN
     "hidden 256": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=704),
     "hidden 512": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1408),
+}
+#: ``--sizes moe``: a Qwen3-MoE (8 experts of FFN 352, top-2: the experts' active FFN equals hidden 256's 704; Qwen3's
+#: q/k norms) on the CPU's path, SequentialMLP behind the all-gather dispatcher (EP1)
+MOE_SIZES = {
+    "moe 256": dict(model_type="qwen3_moe", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    intermediate_size=704, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=352,
+                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
 }
 COMMON = dict(num_hidden_layers=4, vocab_size=4096, max_position_embeddings=4096, tie_word_embeddings=False)
 SETTINGS = {
@@ -118,11 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=384)
     parser.add_argument("--response-len", type=int, default=128)
+    parser.add_argument("--sizes", default="dense", help="dense (hidden 256 and 512), moe, or dense,moe")
     args = parser.parse_args(argv)
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
     import torch.distributed as dist
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3MoeConfig
 
     from megatron_gigpo.actor.config import RecomputeConfig
     from megatron_gigpo.cluster.activations import activation_bytes
@@ -135,11 +146,15 @@ def main(argv: list[str] | None = None) -> int:
           f"Megatron's local layer spec; MiB")
     print(f"{'model':<11} {'recompute':<15} {'estimate':>9} {'measured':>9} {'error':>7}")
     with tempfile.TemporaryDirectory() as tmp:
-        for size, shape in SIZES.items():
+        chosen = args.sizes.split(",")
+        sizes = {**(SIZES if "dense" in chosen else {}), **(MOE_SIZES if "moe" in chosen else {})}
+        for size, shape in sizes.items():
             hf = shape | COMMON
             model_dir = Path(tmp) / size.replace(" ", "-")
             torch.manual_seed(0)
-            Qwen2ForCausalLM(Qwen2Config(**hf)).save_pretrained(str(model_dir))
+            shape_kw = {k: v for k, v in hf.items() if k != "model_type"}
+            config = Qwen3MoeConfig(**shape_kw) if size in MOE_SIZES else Qwen2Config(**shape_kw)
+            AutoModelForCausalLM.from_config(config).save_pretrained(str(model_dir))
             for name, settings in SETTINGS.items():
                 measured = _measure(model_dir, batch, settings)
                 estimate = activation_bytes(hf, tokens=tokens, row_tokens=longest, element_bytes=4,

@@ -42,7 +42,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     print(
         f"{args.recipe}: ok — model {model}, env {cfg.env.name}, "
         f"TP{p.tensor_model_parallel_size} x PP{p.pipeline_model_parallel_size} x DP{p.data_parallel_size} "
-        f"on {cfg.trainer.nnodes} node(s) x {cfg.trainer.devices_per_node} {cfg.trainer.device} device(s), "
+        + (f"(EP{p.expert_model_parallel_size} x expert TP{p.expert_tensor_parallel}) "
+           if p.expert_model_parallel_size > 1 else "")
+        + f"on {cfg.trainer.nnodes} node(s) x {cfg.trainer.devices_per_node} {cfg.trainer.device} device(s), "
         f"{r.num_engines} engine(s) x TP{r.tensor_parallel_size}, {cfg.env.num_groups} groups x {r.n} rollouts"
     )
     if args.plan:
@@ -59,7 +61,8 @@ def _print_plan(cfg, gpu_memory_gib: float) -> str | None:
     """Print the placement plan (megatron_gigpo.cluster.placement) and, on GPU, its per-GPU memory estimate;
     return the estimate's refusal (:func:`megatron_gigpo.cluster.memory.memory_refusal`), None if it fits or
     there is no estimate."""
-    from megatron_gigpo.cluster.memory import estimate_memory, format_memory, memory_refusal, policy_hf_config
+    from megatron_gigpo.cluster.memory import (estimate_memory, format_experts, format_memory, memory_refusal,
+                                               policy_hf_config)
     from megatron_gigpo.cluster.placement import format_plan, plan_placement
 
     plan = plan_placement(cfg)
@@ -78,6 +81,9 @@ def _print_plan(cfg, gpu_memory_gib: float) -> str | None:
     except UnsupportedModelError as exc:  # the family's mapping states its q/k/v biases: none, no estimate
         print(f"memory: no estimate for model.path '{cfg.model.path}': {exc}")
         return None
+    experts = format_experts(cfg, hf)
+    if experts:
+        print(experts)
     print(format_memory(rows, gpu_memory_gib))
     return memory_refusal(rows, gpu_memory_gib)
 

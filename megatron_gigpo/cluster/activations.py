@@ -29,6 +29,13 @@ attention           local (Megatron's ``DotProductAttention``): ``T x (4ad e + a
 MLP                 ``T x 5f e / t``: fc1's output 2f (SiLU keeps a view), the up half plus Megatron's GLU offset f,
                     SiLU's output f, their product (fc2's input) f
 RoPE                ``4 s d e``: cos and sin for q and for k
+MoE MLP             (instead of MLP; E experts, top-k, expert FFN size f_e, expert TP size t_e) the router's fp32
+                    scores and probabilities ``T x 8E / r``, and per routed token copy the experts' permuted input
+                    and output (kept for the probability-weighted sum) and its probability ``h e + h e + 4`` plus
+                    the expert MLP ``5 f_e e / t_e``; a rank holds ``R = T x k x t_e / t`` routed copies (its T / t
+                    tokens sent to k experts each, over the EP ranks, then gathered over the t_e expert-TP ranks;
+                    megatron-core's MoE layer trains with TP > 1 only under sequence parallelism, r = t), assuming
+                    balanced routing: a rank whose experts are chosen more often keeps more
 ==================  ===========================================================================================
 
 ``recompute_granularity: selective`` (Megatron's ``core_attn``) keeps the core attention's inputs instead of its
@@ -57,6 +64,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from megatron_gigpo.models.specs import moe_shape
 
 __all__ = ["ActivationEstimate", "RecomputeSettings", "activation_bytes"]
 
@@ -96,9 +105,20 @@ class ActivationEstimate:
         return self.micro_batches * self.kept + self.recomputed
 
 
-def _layer(hf: dict[str, Any], tokens: int, row: int, e: int, t: int, r: int, *, fused: bool, selective: bool) -> int:
+def _mlp(hf: dict[str, Any], tokens: int, e: int, t: int, r: int, expert_tp: int) -> int:
+    """Bytes the layer's MLP keeps for one micro-batch: dense SwiGLU, or a MoE layer's router and routed copies."""
+    experts, top_k, expert_ffn = moe_shape(hf)
+    if not experts:
+        return tokens * 5 * hf["intermediate_size"] * e // t
+    h = hf["hidden_size"]
+    routed = tokens * top_k * expert_tp // t
+    return tokens * 2 * _FP32 * experts // r + routed * (2 * h * e + _FP32) + routed * 5 * expert_ffn * e // expert_tp
+
+
+def _layer(hf: dict[str, Any], tokens: int, row: int, e: int, t: int, r: int, *, fused: bool, selective: bool,
+           expert_tp: int) -> int:
     """Bytes one layer keeps for one micro-batch (``selective``: core attention recomputed)."""
-    h, f, a = hf["hidden_size"], hf["intermediate_size"], hf["num_attention_heads"]
+    h, a = hf["hidden_size"], hf["num_attention_heads"]
     g = hf.get("num_key_value_heads") or a
     d = hf.get("head_dim") or h // a
     norms = (4 if fused else 6) * h * e + 2 * _FP32
@@ -110,14 +130,14 @@ def _layer(hf: dict[str, Any], tokens: int, row: int, e: int, t: int, r: int, *,
     else:
         v = a * d if a != g else (a + 2 * g) * d
         attention = (2 * a * d + v + a * d) * e + a * row * (_FP32 + (e if e < _FP32 else 0))
-    mlp = 5 * f * e
     per_micro_batch = 4 * row * d * e + (row * row if not (fused or selective) else 0)
-    return tokens * norms // r + tokens * (attention + mlp) // t + per_micro_batch
+    return tokens * norms // r + tokens * attention // t + _mlp(hf, tokens, e, t, r, expert_tp) + per_micro_batch
 
 
 def activation_bytes(hf: dict[str, Any], *, tokens: int, row_tokens: int, element_bytes: int, tp: int = 1,
                      pp: int = 1, stage: int = 0, sequence_parallel: bool = False,
-                     recompute: RecomputeSettings | None = None, fused_attention: bool = False) -> ActivationEstimate:
+                     recompute: RecomputeSettings | None = None, fused_attention: bool = False,
+                     expert_tp: int | None = None) -> ActivationEstimate:
     """Activation bytes of the actor rank at pipeline stage ``stage`` during the update (formula: module docstring).
 
     Args:
@@ -131,6 +151,9 @@ def activation_bytes(hf: dict[str, Any], *, tokens: int, row_tokens: int, elemen
         recompute: the ``actor`` section's recompute settings (None: no recomputation).
         fused_attention: Transformer-Engine's layer spec (fused norm + linear, fused attention: GPUs with the
             ``gpu`` extra) instead of Megatron's local spec (CPU).
+        expert_tp: a MoE model's expert tensor-parallel size (``parallel.expert_tensor_parallel_size``; None:
+            ``tp``). A MoE config.json also needs ``num_experts``, ``num_experts_per_tok`` and
+            ``moe_intermediate_size``; a dense one ``intermediate_size``.
 
     Raises:
         ValueError: ``recompute_granularity: full`` without method or layer count, or a count below 1.
@@ -139,7 +162,8 @@ def activation_bytes(hf: dict[str, Any], *, tokens: int, row_tokens: int, elemen
     r = tp if sequence_parallel else 1
     layers = hf["num_hidden_layers"] // pp
     granularity = recompute.recompute_granularity if recompute is not None else None
-    whole = _layer(hf, tokens, s, e, t, r, fused=fused_attention, selective=False)
+    expert_tp = expert_tp or tp
+    whole = _layer(hf, tokens, s, e, t, r, fused=fused_attention, selective=False, expert_tp=expert_tp)
     final_norm = tokens * ((1 if fused_attention else 2) * hf["hidden_size"] * e + _FP32) // r if stage == pp - 1 else 0
     extra = (tokens * _TOKEN_ID if stage == 0 else 0) + final_norm
     recomputed = 0
@@ -159,5 +183,6 @@ def activation_bytes(hf: dict[str, Any], *, tokens: int, row_tokens: int, elemen
             during = whole - group_input if n == layers else 0
         recomputed = max(during - final_norm, 0)
     else:
-        kept = layers * _layer(hf, tokens, s, e, t, r, fused=fused_attention, selective=granularity == "selective")
+        kept = layers * _layer(hf, tokens, s, e, t, r, fused=fused_attention, selective=granularity == "selective",
+                               expert_tp=expert_tp)
     return ActivationEstimate(layer=whole, kept=kept + extra, micro_batches=pp - stage, recomputed=recomputed)

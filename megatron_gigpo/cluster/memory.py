@@ -2,7 +2,8 @@
 
 Bytes on one GPU, for the actor rank there (tensor-parallel size T, pipeline stage s of S, data-parallel size D;
 ``P_s`` = parameters of stage s that one TP rank holds, :func:`rank_parameter_count`) and the engine there
-(tensor-parallel size k, ``P`` = the model's parameters, :func:`hf_parameter_count`):
+(tensor-parallel size k, ``P`` = the model's parameters, :func:`hf_parameter_count`; a MoE rank's ``P_s`` holds
+its E / EP experts of every layer of the stage, each split over the expert TP size, :func:`rank_parameters`):
 
 =================  ================================================================================================
 weights            ``P_s x b``; b = 2 (bfloat16 / float16) or 4 (float32; the CPU path always trains in float32)
@@ -11,7 +12,10 @@ gradients          ``P_s x 4``: Megatron DDP's fp32 ``main_grad`` buffer (``grad
                    every rank with or without the distributed optimizer
 optimizer          ``P_s x (8 + m) / Z``: Adam's two fp32 moments (8 B) plus the fp32 master copy (m = 4) when
                    b = 2 (m = 0 for float32 params); Z = D with ``parallel.use_distributed_optimizer`` (ZeRO-1
-                   shards the state over data-parallel ranks), else 1 — both variants are printed
+                   shards the state over data-parallel ranks), else 1 — both variants are printed. A MoE model's
+                   expert parameters ``X_s`` (in ``P_s``) are sharded over the expert-data-parallel group instead:
+                   ``(P_s - X_s) x (8 + m) / D + X_s x (8 + m) / (T x D / (EP x T_e))`` (EP the expert-parallel,
+                   T_e the expert tensor-parallel size; megatron-core's expert-DP group)
 activations        what autograd keeps for backward during the update, per micro-batch of
                    ``trainer.micro_batch_tokens`` tokens, times the micro-batches in flight on the stage (1F1B:
                    S - s), with ``actor.recompute_*`` and ``parallel.sequence_parallel`` (their formula:
@@ -50,12 +54,13 @@ from megatron_gigpo.cluster.activations import activation_bytes
 from megatron_gigpo.cluster.placement import PlacementPlan, RecipeLayout
 from megatron_gigpo.models.config import ModelConfig
 from megatron_gigpo.models.mapping import mapping_for
-from megatron_gigpo.models.specs import hf_config_for, padded_vocab_size
+from megatron_gigpo.models.specs import hf_config_for, moe_shape, padded_vocab_size
 
 __all__ = [
-    "GPUMemory", "hf_parameter_count", "rank_parameter_count", "lora_rank_parameter_count",
-    "optimizer_bytes_per_param",
-    "estimate_memory", "format_memory", "memory_refusal", "policy_hf_config", "LOGPROB_CHUNK_BLOCKS",
+    "GPUMemory", "RankParameters", "hf_parameter_count", "moe_shape", "rank_parameters", "rank_parameter_count",
+    "lora_rank_parameter_count",
+    "optimizer_bytes_per_param", "expert_data_parallel_size",
+    "estimate_memory", "format_experts", "format_memory", "memory_refusal", "policy_hf_config", "LOGPROB_CHUNK_BLOCKS",
 ]
 
 GIB = 1 << 30
@@ -64,10 +69,12 @@ LOGPROB_CHUNK_BLOCKS = 4
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def _layer_params(hf: dict[str, Any]) -> tuple[int, int]:
-    """(TP-split, TP-replicated) parameters of one decoder layer (attention with the Q/K/V biases and the per-head
-    query/key norm gains its family's mapping declares, :meth:`megatron_gigpo.models.mapping.ModelMapping.qkv_bias`
-    and ``qk_layernorm``; gated MLP; two RMSNorm gains).
+def _layer_params(hf: dict[str, Any]) -> tuple[int, int, int]:
+    """(TP-split, TP-replicated, routed-expert) parameters of one decoder layer: attention with the Q/K/V biases
+    and the per-head query/key norm gains its family's mapping declares
+    (:meth:`megatron_gigpo.models.mapping.ModelMapping.qkv_bias` and ``qk_layernorm``), two RMSNorm gains, and a
+    gated MLP of ``3 h f`` (dense, TP-split) or, for a MoE model, the router ``E x h`` (replicated on every TP
+    rank) and E experts of ``3 h f_e`` each (split over EP x expert TP).
 
     Raises:
         megatron_gigpo.models.mapping.UnsupportedModelError: a ``model_type`` with no mapping.
@@ -80,35 +87,62 @@ def _layer_params(hf: dict[str, Any]) -> tuple[int, int]:
     if mapping.qkv_bias(family):  # the family says
         attention += heads * d + 2 * kv_heads * d
     qk_norms = 2 * d if mapping.qk_layernorm(family) else 0  # one gain of head_dim each, on every TP rank
-    mlp = 3 * h * hf["intermediate_size"]
-    return attention + mlp, 2 * h + qk_norms
+    experts, _, expert_ffn = moe_shape(hf)
+    if experts:
+        return attention, 2 * h + qk_norms + experts * h, experts * 3 * h * expert_ffn
+    return attention + 3 * h * hf["intermediate_size"], 2 * h + qk_norms, 0
 
 
 def hf_parameter_count(hf: dict[str, Any]) -> int:
-    """Parameters of the Hugging Face model described by config.json ``hf`` (a tied head counted once)."""
-    split, replicated = _layer_params(hf)
+    """Parameters of the Hugging Face model described by config.json ``hf`` (a tied head counted once; every
+    expert of a MoE model)."""
+    split, replicated, experts = _layer_params(hf)
     h, vocab = hf["hidden_size"], hf["vocab_size"]
     head = 0 if hf.get("tie_word_embeddings", False) else vocab * h
-    return hf["num_hidden_layers"] * (split + replicated) + vocab * h + head + h
+    return hf["num_hidden_layers"] * (split + replicated + experts) + vocab * h + head + h
 
 
-def rank_parameter_count(hf: dict[str, Any], tp: int, pp: int, stage: int) -> int:
-    """Parameters one Megatron rank holds at tensor-parallel size ``tp``, pipeline stage ``stage`` of ``pp``.
+@dataclass(frozen=True)
+class RankParameters:
+    """Parameters one Megatron rank holds: ``dense`` (reduced and sharded over the data-parallel group) and
+    ``expert`` (its EP rank's experts; reduced and sharded over the expert-data-parallel group)."""
 
-    Vocabulary padded as the actor pads it; the first stage holds the embedding, the last the final norm and the
-    output layer (with tied embeddings and PP > 1 the last stage keeps its own copy of the embedding).
+    dense: int
+    expert: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def rank_parameters(hf: dict[str, Any], tp: int, pp: int, stage: int, ep: int = 1,
+                    etp: int | None = None) -> RankParameters:
+    """Parameters one Megatron rank holds at tensor-parallel size ``tp``, pipeline stage ``stage`` of ``pp``,
+    expert-parallel size ``ep`` and expert tensor-parallel size ``etp`` (None: ``tp``, megatron-core's default).
+
+    Dense: ``L/pp x (split / tp + replicated)``; vocabulary padded as the actor pads it; the first stage holds the
+    embedding, the last the final norm and the output layer (with tied embeddings and PP > 1 the last stage keeps
+    its own copy of the embedding). Experts: ``L/pp x E x 3 h f_e / (ep x etp)`` (E / ep experts, each linear split
+    over etp).
     """
-    split, replicated = _layer_params(hf)
+    split, replicated, experts = _layer_params(hf)
     h = hf["hidden_size"]
     vocab = padded_vocab_size(SimpleNamespace(vocab_size=hf["vocab_size"]), tp)
-    count = hf["num_hidden_layers"] // pp * (split // tp + replicated)
+    layers = hf["num_hidden_layers"] // pp
+    dense = layers * (split // tp + replicated)
     if stage == 0:
-        count += vocab * h // tp
+        dense += vocab * h // tp
     if stage == pp - 1:
-        count += h
+        dense += h
         if not hf.get("tie_word_embeddings", False) or pp > 1:
-            count += vocab * h // tp
-    return count
+            dense += vocab * h // tp
+    return RankParameters(dense, layers * experts // (ep * (etp or tp)))
+
+
+def rank_parameter_count(hf: dict[str, Any], tp: int, pp: int, stage: int, ep: int = 1,
+                         etp: int | None = None) -> int:
+    """All parameters of the rank (:func:`rank_parameters`, dense plus expert)."""
+    return rank_parameters(hf, tp, pp, stage, ep, etp).total
 
 
 def lora_rank_parameter_count(hf: dict[str, Any], tp: int, pp: int, lora) -> int:
@@ -126,6 +160,16 @@ def lora_rank_parameter_count(hf: dict[str, Any], tp: int, pp: int, lora) -> int
         "linear_fc2": r * ffn // tp + h * r,
     }
     return hf["num_hidden_layers"] // pp * sum(per_target[t] for t in lora.target_modules)
+
+
+def expert_data_parallel_size(parallel) -> int:
+    """megatron-core's expert-data-parallel size, the ranks that reduce and (distributed optimizer) shard one
+    expert's gradients and Adam state: world / (expert TP x EP x PP) = TP x DP / (expert TP x EP), at least 1
+    (``parallel``: a :class:`megatron_gigpo.actor.config.ParallelConfig`; validation refuses layouts where the
+    division is not exact)."""
+    p = parallel
+    return max(p.tensor_model_parallel_size * p.data_parallel_size
+               // (p.expert_tensor_parallel * p.expert_model_parallel_size), 1)
 
 
 def optimizer_bytes_per_param(params_dtype: str) -> int:
@@ -184,7 +228,9 @@ def policy_hf_config(cfg: PlannedRecipe) -> dict[str, Any] | None:
     if hf is None:
         return None
     if cfg.model.init == "random":
-        hf.update({k: v for k, v in dataclasses.asdict(cfg.model.architecture).items() if k != "initializer_range"})
+        keep_base = ("vocab_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size")  # null: the base's
+        hf.update({k: v for k, v in dataclasses.asdict(cfg.model.architecture).items()
+                   if k != "initializer_range" and not (k in keep_base and v is None)})
     return hf
 
 
@@ -198,6 +244,8 @@ def estimate_memory(cfg: PlannedRecipe, plan: PlacementPlan, hf: dict[str, Any],
     """
     p, r = cfg.parallel, cfg.rollout
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel
+    expert_dp = expert_data_parallel_size(p)
     dtype = cfg.model.params_dtype(plan.cluster.device)
     b = _BYTES[dtype]
     vocab = padded_vocab_size(SimpleNamespace(vocab_size=hf["vocab_size"]), tp)
@@ -214,22 +262,47 @@ def estimate_memory(cfg: PlannedRecipe, plan: PlacementPlan, hf: dict[str, Any],
             rank = next((s.index for s in plan.ranks if (s.node, s.gpus) == (n, (g,))), None)
             if rank is not None:
                 stage = rank // (tp * dp)  # Megatron's default order tp-cp-ep-dp-pp: PP varies slowest
-                params = rank_parameter_count(hf, tp, pp, stage)
+                split = rank_parameters(hf, tp, pp, stage, ep, etp)
+                params = split.total
                 trained, weights, reference = params, params, params if cfg.algorithm.use_kl_loss else 0
+                per_param = optimizer_bytes_per_param(dtype)
+                # ZeRO-1: dense state over the DP group, expert state over the expert-DP group
+                opt = params * per_param
+                opt_dist = split.dense * per_param // dp + split.expert * per_param // expert_dp
                 if cfg.model.lora.enabled:  # frozen base; the reference is the base itself
                     trained = lora_rank_parameter_count(hf, tp, pp, cfg.model.lora)
                     weights, reference = params + trained, 0
-                opt = trained * optimizer_bytes_per_param(dtype)
+                    opt = trained * per_param
+                    opt_dist = opt // dp
                 act = activation_bytes(hf, tokens=tokens, row_tokens=row, element_bytes=b, tp=tp, pp=pp, stage=stage,
                                        sequence_parallel=p.sequence_parallel, recompute=cfg.actor,
-                                       fused_attention=True)  # the GPU install's Transformer-Engine layers
+                                       fused_attention=True,  # the GPU install's Transformer-Engine layers
+                                       expert_tp=etp)
                 fields.update(weights=weights * b, reference=reference * b, gradients=trained * 4,
-                              optimizer_distributed=opt // dp, optimizer_replicated=opt, activations=act.total,
+                              optimizer_distributed=opt_dist, optimizer_replicated=opt, activations=act.total,
                               logprob_chunk=chunk if stage == pp - 1 else 0)
             if (n, g) in engine_gpus:
                 fields.update(vllm=vllm, engine_weights=engine_weights, kv_cache=max(vllm - engine_weights, 0))
             out.append(GPUMemory(n, g, rank, **fields))
     return out
+
+
+def format_experts(cfg: PlannedRecipe, hf: dict[str, Any]) -> str | None:
+    """One line on how a mixture-of-experts policy's experts are split (None for a dense model): experts per GPU
+    of the actor (E / EP, each linear over expert TP), the groups its optimizer state is sharded over, the nodes
+    the first expert-parallel group spans (megatron-core's expert rank order: expert TP fastest, then EP, then
+    expert DP, then PP) and the engines' split (vLLM's tensor parallelism shards every expert's linear layers over
+    the engine's k GPUs: the same ``P / k`` bytes per GPU as expert parallelism would hold)."""
+    experts, top_k, _ = moe_shape(hf)
+    if not experts:
+        return None
+    p, t = cfg.parallel, cfg.trainer
+    dp, ep, etp = p.data_parallel_size, p.expert_model_parallel_size, p.expert_tensor_parallel
+    nodes = sorted({r // t.devices_per_node for r in range(etp * ep)})
+    return (f"experts: {experts} per layer, top-{top_k}; actor EP{ep} x expert TP{etp}: {experts // ep} experts per "
+            f"GPU; optimizer state: experts over expert-DP {expert_data_parallel_size(p)}, the rest over DP{dp}; "
+            f"an EP group spans node(s) {','.join(map(str, nodes))}; engines: every expert split over "
+            f"TP{cfg.rollout.tensor_parallel_size}")
 
 
 def format_memory(rows: list[GPUMemory], gpu_memory_gib: float) -> str:

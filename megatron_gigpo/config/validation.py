@@ -17,7 +17,7 @@ from megatron_gigpo.demos.experts import expert_env_names, no_expert_message
 from megatron_gigpo.episodes.templates import prompt_templates
 from megatron_gigpo.fields import ConfigError, field_errors, is_auto, leaf_fields
 from megatron_gigpo.models.config import LORA_TARGETS, ArchitectureConfig, ModelConfig
-from megatron_gigpo.models.specs import KNOWN_MODELS, hf_config_for
+from megatron_gigpo.models.specs import KNOWN_MODELS, hf_config_for, moe_shape
 from megatron_gigpo.sft.config import SFTConfig
 
 log = logging.getLogger(__name__)
@@ -206,9 +206,6 @@ def validate_config(cfg: Config, source: str = "config") -> None:
         errors.append(f"parallel.expert_tensor_parallel_size ({etp}) x expert_model_parallel_size ({ep}) x "
                       f"pipeline_model_parallel_size ({pp}) must divide the actor's {tp * pp * dp} ranks "
                       f"(TP x PP x DP): megatron-core carves the expert ranks out of them")
-    if ep > 1:  # lift when export_hf_weights gathers the experts over the expert-parallel group
-        errors.append(f"parallel.expert_model_parallel_size={ep}: the weight sync into vLLM and the converters do not "
-                      f"gather experts over expert-parallel ranks yet (#40 item 2); use 1")
     # World size, engine GPUs and nodes: the placement plan's own check (one place decides where things run).
     errors += placement_errors(cfg)
     try:
@@ -230,6 +227,7 @@ def validate_config(cfg: Config, source: str = "config") -> None:
         if shape.num_attention_heads % r.tensor_parallel_size or shape.num_key_value_heads % r.tensor_parallel_size:
             errors.append(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the attention and KV heads")
     errors += _context_errors(cfg)
+    errors += _expert_errors(cfg)
     if t.ppo_mini_batch_size % dp:
         errors.append(f"trainer.ppo_mini_batch_size={t.ppo_mini_batch_size} must be divisible by DP={dp}")
     if (cfg.env.num_groups * r.n) % r.num_engines:
@@ -261,6 +259,34 @@ def _model_layout_errors(cfg: Config, layers_per_stage: int) -> list[str]:
     loras = (("model.lora", cfg.model.lora), ("sft.lora", cfg.sft.lora))
     lora_keys = tuple(key for key, lora in loras if lora.enabled)
     return model_layout_errors(cfg.parallel, cfg.actor, lora_keys=lora_keys, layers_per_stage=layers_per_stage)
+
+
+def _expert_errors(cfg: Config) -> list[str]:
+    """Expert parallelism against the policy's experts (its config.json, or :data:`KNOWN_MODELS`;
+    ``model.architecture.num_experts`` for ``init: random``): EP must divide the expert count (each EP rank holds
+    num_experts / EP experts of every layer), a dense model takes no EP, and megatron-core's MoE layer trains
+    with TP > 1 only under sequence parallelism. An unknown model is not checked here (the shape check reports it)."""
+    p, m = cfg.parallel, cfg.model
+    ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
+    try:
+        hf = hf_config_for(m.path, m.revision) or {}
+    except ValueError:
+        return []  # reported by _context_errors
+    experts = moe_shape(hf)[0]
+    if m.init == "random" and m.architecture.num_experts is not None:
+        experts = m.architecture.num_experts
+    if not hf and not experts:
+        return []
+    if not experts:
+        return [f"parallel.expert_model_parallel_size={ep} needs a mixture-of-experts model; '{m.path}' is dense"
+                ] if ep > 1 else []
+    errors = []
+    if experts % ep:
+        errors.append(f"parallel.expert_model_parallel_size={ep} must divide the model's {experts} experts per layer")
+    if tp > 1 and not p.sequence_parallel:
+        errors.append(f"parallel.tensor_model_parallel_size={tp} with a mixture-of-experts model needs "
+                      f"parallel.sequence_parallel=true (megatron-core's MoE layer trains with TP only under it)")
+    return errors
 
 
 def _context_errors(cfg: Config) -> list[str]:

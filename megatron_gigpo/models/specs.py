@@ -3,7 +3,8 @@
 :data:`KNOWN_MODELS` holds, per model id, the subset of its Hugging Face ``config.json`` that the layout checks
 (:mod:`megatron_gigpo.config`) and the memory estimate (:mod:`megatron_gigpo.cluster.memory`) read. A local model
 directory, or a hub id in the Hugging Face cache, is read from its own ``config.json`` instead (:func:`hf_config_for`). Sources: each model's
-``config.json`` on the Hugging Face hub (Qwen/Qwen2.5-*-Instruct, Qwen/Qwen3-*, HuggingFaceTB/SmolLM2-135M-Instruct).
+``config.json`` on the Hugging Face hub (Qwen/Qwen2.5-*-Instruct, Qwen/Qwen3-*,
+Qwen/Qwen3-30B-A3B, HuggingFaceTB/SmolLM2-135M-Instruct).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KNOWN_MODELS", "hf_config_for", "padded_vocab_size"]
+__all__ = ["KNOWN_MODELS", "hf_config_for", "moe_shape", "padded_vocab_size"]
 
 
 def _qwen25(hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, vocab: int, tie: bool) -> dict[str, Any]:
@@ -30,6 +31,15 @@ def _qwen3(hidden: int, ffn: int, layers: int, heads: int, tie: bool) -> dict[st
             "num_attention_heads": heads, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
             "tie_word_embeddings": tie, "max_position_embeddings": 40960}
 
+
+#: Qwen3-30B-A3B (``Qwen3MoeForCausalLM``): Qwen3's attention (32 heads, 4 KV heads, head_dim 128, q/k norms) and 48
+#: MoE layers of 128 experts (FFN 768), 8 per token renormalised (``norm_topk_prob``); 30.5B parameters, 3.3B active.
+#: ``intermediate_size`` (6144) is the dense MLP size of ``mlp_only_layers``, which this model has none of.
+_QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                  "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+                  "tie_word_embeddings": False, "max_position_embeddings": 40960, "num_experts": 128,
+                  "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+                  "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 _SMOLLM2_135M = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                  "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
@@ -52,6 +62,7 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "Qwen/Qwen3-8B": _qwen3(4096, 12288, 36, 32, False),
     "Qwen/Qwen3-14B": _qwen3(5120, 17408, 40, 40, False),
     "Qwen/Qwen3-32B": _qwen3(5120, 25600, 64, 64, False),
+    "Qwen/Qwen3-30B-A3B": _QWEN3_30B_A3B,
 }
 
 
@@ -89,3 +100,17 @@ def padded_vocab_size(hf_config: Any, tensor_model_parallel_size: int) -> int:
     vocab = int(hf_config.vocab_size)
     multiple = math.lcm(128, tensor_model_parallel_size)
     return -(-vocab // multiple) * multiple
+
+
+def moe_shape(hf: dict[str, Any]) -> tuple[int, int, int]:
+    """(routed experts E, experts per token k, each expert's FFN size f_e) of a mixture-of-experts config.json
+    (``num_experts`` or transformers 5's ``num_local_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``;
+    every layer a MoE layer, as the Qwen3-MoE mapping requires); (0, 0, 0) for a dense model.
+
+    Raises:
+        KeyError: a config.json with experts but without ``num_experts_per_tok`` or ``moe_intermediate_size``.
+    """
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    if not experts:
+        return 0, 0, 0
+    return int(experts), int(hf["num_experts_per_tok"]), int(hf["moe_intermediate_size"])

@@ -37,8 +37,3 @@ def test_actor_config_checks_the_expert_layout_against_the_world():
                                                    "x expert_model_parallel_size 2")):
         config.validate(3)
 
-
-def test_expert_parallelism_is_refused_until_the_sync_gathers_experts():
-    with pytest.raises(ConfigError, match=re.escape("parallel.expert_model_parallel_size=2: the weight sync into vLLM "
-                                                    "and the converters do not gather experts")):
-        load_config(ALF_7B, ["parallel.expert_tensor_parallel_size=1", "parallel.expert_model_parallel_size=2"])

@@ -34,7 +34,8 @@ def _hf_tensors(model_dir: Path) -> int:
     return sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
 
 
-@pytest.mark.parametrize("arch, tie", [("qwen2", False), ("qwen2", True), ("llama", True), ("qwen3", True)])
+@pytest.mark.parametrize("arch, tie", [("qwen2", False), ("qwen2", True), ("llama", True), ("qwen3", True),
+                                       ("qwen3_moe", False)])
 def test_parameter_count_matches_a_tiny_models_tensors(tmp_path, arch, tie):
     import json
 

@@ -85,3 +85,54 @@ def test_optimizer_and_gradient_bytes_match_real_megatron_ranks(tmp_path):
             assert real == pytest.approx(per_param * params * copies, rel=0.01)
             if dist_opt:
                 assert all(r["moments"] == pytest.approx(8 * params / dp, rel=0.01) for r in stage_ranks)
+
+
+def _moe_rank(rank: int, world_size: int, model_dir: Path) -> list[dict]:
+    """Real Megatron ranks of a tiny Qwen3-MoE (bf16, the distributed optimizer) at EP1 x DP2 and EP2 x DP2:
+    expert and dense parameter counts and Adam moment bytes of each rank."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_gigpo.actor import distributed
+    from megatron_gigpo.actor.config import ActorConfig
+    from megatron_gigpo.actor.policy import PolicyActor
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    out = []
+    for ep in (1, 2):
+        config = ActorConfig.build(model_dir, params_dtype="bfloat16", expert_model_parallel_size=ep,
+                                   use_distributed_optimizer=True, use_kl_loss=False)
+        actor = PolicyActor(config)
+        module = actor.model_chunks[0].module
+        inner = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+        for opt in inner:  # zero gradients, one step: Adam allocates its moments
+            for group in opt.optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = torch.zeros_like(p)
+            opt.optimizer.step()
+        expert = sum(p.numel() for name, p in module.named_parameters() if ".mlp.experts." in name)
+        out.append({"ep": ep, "expert": expert, "dense": sum(p.numel() for p in module.parameters()) - expert,
+                    "moments": sum(t.numel() * t.element_size() for opt in inner for st in opt.optimizer.state.values()
+                                   for k, t in st.items() if k in ("exp_avg", "exp_avg_sq"))})
+        del actor
+        distributed.destroy()
+    return out
+
+
+def test_moe_parameters_and_expert_optimizer_sharding_match_real_megatron_ranks(tmp_path):
+    """EP1 x DP2: every rank holds all experts, and the distributed optimizer halves dense and expert state alike.
+    EP2 x DP2: each rank holds half the experts, and their expert-data-parallel group is TP x DP / EP = 1 rank, so
+    their Adam state is not sharded at all (the dense state still is, over DP2)."""
+    from megatron_gigpo.cluster.memory import rank_parameters
+
+    model_dir = make_tiny_hf_model(tmp_path, "qwen3_moe", tie=False)
+    hf = json.loads((model_dir / "config.json").read_text())
+    runs = spawn(_moe_rank, 2, model_dir, timeout=900)
+    for layout, (ep, expert_dp) in enumerate(((1, 2), (2, 1))):
+        expected = rank_parameters(hf, 1, 1, 0, ep=ep, etp=1)
+        for r in (runs[0][layout], runs[1][layout]):
+            assert (r["ep"], r["dense"], r["expert"]) == (ep, expected.dense, expected.expert), r
+            # Adam's two fp32 moments, sharded as the estimate shards them (+ the shards' bucket padding)
+            estimate = 8 * (expected.dense // 2 + expected.expert // expert_dp)
+            assert r["moments"] == pytest.approx(estimate, rel=0.02), (r, estimate)

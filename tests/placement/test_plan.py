@@ -55,6 +55,19 @@ def _check_invariants(plan, cfg) -> None:
             assert not e.workers
 
 
+def _check_header(recipe: Path, cfg) -> None:
+    """A GPU recipe's leading comment states its GPUs (``N node(s) x M GPUs``) and layout (TP, and EP if any)."""
+    header = " ".join(line.lstrip("# ").strip() for line in recipe.read_text().splitlines()
+                      if line.startswith("#"))
+    t, p = cfg.trainer, cfg.parallel
+    assert f"{t.nnodes} node{'s' if t.nnodes > 1 else ''} x {t.devices_per_node} GPUs" in header, header
+    assert f"TP{p.tensor_model_parallel_size}" in header, header
+    if p.pipeline_model_parallel_size > 1:
+        assert f"PP{p.pipeline_model_parallel_size}" in header, header
+    if p.expert_model_parallel_size > 1:
+        assert f"EP{p.expert_model_parallel_size}" in header, header
+
+
 @pytest.mark.parametrize("recipe", all_recipes(), ids=lambda p: str(p.relative_to(RECIPES)))
 def test_validate_plan_prints_every_recipe(recipe, capsys):
     assert main(["validate", str(recipe), "--plan"]) == 0
@@ -64,6 +77,8 @@ def test_validate_plan_prints_every_recipe(recipe, capsys):
     gpus = t.nnodes * t.devices_per_node if t.device == "cuda" else 0
     assert re.search(rf"^total: {gpus} GPUs", out, re.MULTILINE), out
     if t.device == "cuda":
+        _check_header(recipe, cfg)
+        assert ("experts: " in out) == (cfg.parallel.expert_model_parallel_size > 1)
         assert "memory per GPU" in out and "OVER" not in out
         assert len(re.findall(r"  fits$", out, re.MULTILINE)) == gpus
         # with the update's activations (column activ), and room left for the CUDA context (1-3 GiB)
