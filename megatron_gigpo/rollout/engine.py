@@ -76,6 +76,10 @@ class EngineConfig:
             :data:`megatron_gigpo.rollout.vllm_plugin.BACKENDS` (``mgigpo_shm`` / ``mgigpo_gloo`` on CPU,
             ``mgigpo_ipc`` / ``mgigpo_nccl`` on CUDA); None: ``mgigpo_ipc`` with CUDA, ``mgigpo_shm`` on CPU. Set
             by the placement plan.
+        return_routed_experts: return each generated sequence's routed experts (``GenerationResult.routed_experts``;
+            routing replay, ``algorithm.router_replay: rollout``): vLLM's ``enable_return_routed_experts``, which
+            needs a MoE model, prefix caching (on) and vLLM's model runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1`` is set
+            in the engine's processes; vLLM picks V1 on a machine without Triton, e.g. the CPU).
     """
 
     model_path: str
@@ -89,6 +93,7 @@ class EngineConfig:
     num_cpus: float = 1.0
     distributed_executor_backend: str | None = None
     weight_transfer_backend: str | None = None
+    return_routed_experts: bool = False
 
     @property
     def max_model_len(self) -> int:
@@ -167,6 +172,9 @@ class RolloutEngine:
             # offset") and the engine dies. Whole prompts only, so the step's token budget must hold one.
             kwargs.update(kv_cache_memory_bytes=int(config.rollout.cpu_kvcache_space_gib * (1 << 30)),
                           enable_chunked_prefill=False, max_num_batched_tokens=max(config.max_model_len, 8192))
+        if config.return_routed_experts:  # vLLM's aux-output path exists in its model runner V2 only
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+            kwargs["enable_return_routed_experts"] = True
         self.llm = LLM(
             model=config.model_path,
             tensor_parallel_size=config.tensor_parallel_size,
@@ -251,7 +259,8 @@ class RolloutEngine:
             log_probs = [float(step[tok].logprob) for tok, step in zip(ids, seq.logprobs)] if seq.logprobs else []
             spans = seq.weight_versions or ()
             version = min((_version_number(span.version) for span in spans), default=self.weights_version()[0])
-            results.append(GenerationResult(ids, log_probs, str(seq.finish_reason), seq.text, version))
+            routed = seq.routed_experts if self.config.return_routed_experts else None
+            results.append(GenerationResult(ids, log_probs, str(seq.finish_reason), seq.text, version, routed))
         return results
 
     def compute_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
