@@ -135,11 +135,12 @@ class ReplayedRouters:
             self._replayed = None
 
     def metrics(self, device: torch.device, prefix: str = "actor/router_replay_mismatch") -> dict[str, float]:
-        """Share of engine-routed tokens where the actor's own router chose another expert set: overall and per
-        layer (``<prefix>``, ``<prefix>/layer_<i>``, i 0-based), summed over data-parallel ranks, pipeline stages
+        """Share of engine-routed tokens where the actor's own router, on the replayed pass's inputs, would choose
+        another expert set: overall and per layer (``<prefix>``, ``<prefix>/layer_<i>``, i 0-based), and the number
+        of engine-routed tokens counted (``actor/router_replay_tokens``), summed over data-parallel ranks, pipeline stages
         and (sequence parallelism) tensor-parallel ranks since the last call, which resets the counts. Collective
         over those groups."""
-        counts = self.counts.to(device)
+        counts = self.counts.clone().to(device)  # a copy: the reduction must not alias the running counts
         groups = [parallel_state.get_data_parallel_group()]
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             groups.append(parallel_state.get_pipeline_model_parallel_group())
@@ -149,7 +150,8 @@ class ReplayedRouters:
             dist.all_reduce(counts, group=group)
         counts = counts.cpu()
         self.counts.zero_()
-        out = {prefix: float(counts[0].sum() / counts[1].sum()) if counts[1].sum() > 0 else 0.0}
+        out = {prefix: float(counts[0].sum() / counts[1].sum()) if counts[1].sum() > 0 else 0.0,
+               "actor/router_replay_tokens": float(counts[1].max())}
         for i in range(self.num_layers):
             out[f"{prefix}/layer_{i}"] = float(counts[0, i] / counts[1, i]) if counts[1, i] > 0 else 0.0
         return out

@@ -172,9 +172,12 @@ class RolloutEngine:
             # offset") and the engine dies. Whole prompts only, so the step's token budget must hold one.
             kwargs.update(kv_cache_memory_bytes=int(config.rollout.cpu_kvcache_space_gib * (1 << 30)),
                           enable_chunked_prefill=False, max_num_batched_tokens=max(config.max_model_len, 8192))
-        if config.return_routed_experts:  # vLLM's aux-output path exists in its model runner V2 only
+        prefix_caching = True
+        if config.return_routed_experts and self.cuda:  # vLLM's aux-output path exists in its model runner V2 only
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
             kwargs["enable_return_routed_experts"] = True
+        elif config.return_routed_experts:  # CPU: our capture on the V1 runner needs every token run, none cached
+            prefix_caching = False
         self.llm = LLM(
             model=config.model_path,
             tensor_parallel_size=config.tensor_parallel_size,
@@ -182,7 +185,7 @@ class RolloutEngine:
             max_model_len=config.max_model_len,
             seed=config.seed,
             enforce_eager=config.rollout.enforce_eager or not self.cuda,
-            enable_prefix_caching=True,
+            enable_prefix_caching=prefix_caching,
             logprobs_mode=config.logprobs_mode,
             max_num_seqs=config.max_num_seqs,
             worker_extension_cls=_EXTENSION,
@@ -190,6 +193,9 @@ class RolloutEngine:
             weight_transfer_config=WeightTransferConfig(backend=self.backend),
             **kwargs,
         )
+        self.capture_routed = config.return_routed_experts and not self.cuda
+        if self.capture_routed:
+            self.llm.collective_rpc("routed_experts_capture_start")
         self.spec: WeightSpec = read_checkpoint_spec(config.model_path, config.dtype)
         self.checksum: str | None = None
         self.sleeping = False
@@ -252,6 +258,7 @@ class RolloutEngine:
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
         params = [sampling.to_vllm(index_offset + i) for i in range(len(prompts))]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        captured = self._captured_routes(outputs) if self.capture_routed else {}
         results = []
         for out in outputs:
             seq = out.outputs[0]
@@ -259,9 +266,27 @@ class RolloutEngine:
             log_probs = [float(step[tok].logprob) for tok, step in zip(ids, seq.logprobs)] if seq.logprobs else []
             spans = seq.weight_versions or ()
             version = min((_version_number(span.version) for span in spans), default=self.weights_version()[0])
-            routed = seq.routed_experts if self.config.return_routed_experts else None
+            routed = captured.get(out.request_id, seq.routed_experts) if self.config.return_routed_experts else None
             results.append(GenerationResult(ids, log_probs, str(seq.finish_reason), seq.text, version, routed))
         return results
+
+    def _captured_routes(self, outputs) -> dict[str, Any]:
+        """CPU: per request id of ``outputs``, the routed experts the worker recorded
+        (:meth:`~megatron_gigpo.rollout.worker_extension.WeightSyncWorkerExtension.routed_experts_capture_start`),
+        uint8 (P + R - 1, layers, top-k) as vLLM's ``CompletionOutput.routed_experts``. Every tensor-parallel
+        worker routes every token alike (the router is replicated); the first one's are read.
+
+        Raises:
+            RuntimeError: a request without recorded experts, or with another token count than it ran.
+        """
+        taken = self.llm.collective_rpc("routed_experts_take")[0]
+        by_request = {internal.rsplit("-", 1)[0]: routes for internal, routes in taken.items()}
+        for out in outputs:
+            routes, ran = by_request.get(out.request_id), len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
+            if routes is None or routes.shape[0] != ran:
+                raise RuntimeError(f"routed experts of request {out.request_id}: "
+                                   f"{None if routes is None else routes.shape[0]} tokens recorded, {ran} run")
+        return by_request
 
     def compute_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-probs of fixed sequences under the current weights (vLLM prompt log-probs).
