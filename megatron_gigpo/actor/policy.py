@@ -55,25 +55,26 @@ class PolicyActor:
     same model with its adapters disabled (no copy).
 
     Raises:
-        ValueError: invalid config (see :meth:`ActorConfig.validate`), or ``sequence_packing`` with a model
-            whose attention cannot take packed sequences.
+        ValueError: invalid config (see :meth:`ActorConfig.validate`), ``sequence_packing`` with a model
+            whose attention cannot take packed sequences, or ``loss.router_replay`` that the model or layout cannot
+            run (:func:`megatron_gigpo.algo.config.router_replay_errors`: a dense model, ...).
     """
 
     def __init__(self, config: ActorConfig) -> None:
         config.validate()
         p = config.parallel
+        self.hf_config = load_hf_config(config.model_path)
+        errors = router_replay_errors(config.loss.router_replay, num_experts=getattr(self.hf_config, "num_experts", None),
+                                      model=str(config.model_path), pipeline_stages=p.pipeline_model_parallel_size,
+                                      recompute_granularity=config.recompute.recompute_granularity)
+        if errors:  # before any process group or model exists
+            raise ValueError("; ".join(errors))
         distributed.initialize(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, seed=config.trainer.seed,
                                expert_model_parallel_size=p.expert_model_parallel_size,
                                expert_tensor_parallel_size=p.expert_tensor_parallel_size)
         config.validate(dist.get_world_size())
         self.config = config
         self.device = distributed.device()
-        self.hf_config = load_hf_config(config.model_path)
-        errors = router_replay_errors(config.loss.router_replay, num_experts=getattr(self.hf_config, "num_experts", None),
-                               model=str(config.model_path), pipeline_stages=p.pipeline_model_parallel_size,
-                               recompute_granularity=config.recompute.recompute_granularity)
-        if errors:
-            raise ValueError("; ".join(errors))
         policy = self._build_model()
         self.lora_layers: list[str] = []
         if config.lora.enabled:

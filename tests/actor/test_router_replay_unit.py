@@ -70,3 +70,28 @@ def test_more_routed_tokens_than_the_row_has_is_refused():
     routed[0] = torch.zeros(prompts[0].numel() + responses[0].numel() + 1, LAYERS, TOPK, dtype=torch.uint8)
     with pytest.raises(ValueError, match="row 0: 10 routed tokens for a sequence of 9 tokens"):
         build_micro_batch([0], prompts, responses, packed=False, routed_experts=routed)
+
+
+def test_a_dense_recipe_with_router_replay_is_refused_when_read():
+    from pathlib import Path
+
+    from megatron_gigpo.config import ConfigError, load_config
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes/alfworld/qwen2.5-7b-instruct.yaml"
+    assert load_config(recipe, []).algorithm.router_replay == "off"
+    with pytest.raises(ConfigError, match=r"algorithm.router_replay='rollout' needs a mixture-of-experts model; "
+                                          r"'Qwen/Qwen2.5-7B-Instruct' is dense"):
+        load_config(recipe, ["algorithm.router_replay=rollout"])
+
+
+def test_the_actor_refuses_router_replay_on_a_dense_model_before_any_process_group(tmp_path):
+    import torch.distributed as dist
+
+    from actor.actor_helpers import actor_config  # tests/ is on the path
+    from megatron_gigpo.actor.policy import PolicyActor
+    from tiny_models import make_tiny_hf_model
+
+    dense = make_tiny_hf_model(tmp_path, "qwen3", tie=True, num_hidden_layers=1)
+    with pytest.raises(ValueError, match=r"algorithm.router_replay='rollout' needs a mixture-of-experts model"):
+        PolicyActor(actor_config(dense, router_replay="rollout"))
+    assert not dist.is_initialized()
