@@ -580,8 +580,7 @@ class EpisodeCollector:
 
     @staticmethod
     def _routed_experts(kept: list[tuple[_Episode, _Row]]) -> dict[str, list[torch.Tensor]]:
-        """``{"routed_experts": per row (P + R - 1, layers, top-k)}`` when the engines returned them (routing
-        replay, :data:`megatron_gigpo.episodes.batch.ROW_EXTRAS`), else empty."""
+        """``{"routed_experts": per row (P + R - 1, layers, top-k)}`` if the engines returned them, else empty."""
         if not kept or any(r.routed_experts is None for _, r in kept):
             return {}
         return {"routed_experts": [torch.from_numpy(r.routed_experts) for _, r in kept]}

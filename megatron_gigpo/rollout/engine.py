@@ -31,6 +31,7 @@ from megatron_gigpo.rollout import vllm_plugin
 from megatron_gigpo.rollout.errors import WeightSyncError
 from megatron_gigpo.rollout.sampling import GenerationResult, SamplingConfig, TokenizerInfo
 from megatron_gigpo.rollout.spec import WeightSpec, read_checkpoint_spec
+from megatron_gigpo.rollout.worker_extension import routes_by_request
 
 __all__ = [
     "SamplingConfig",
@@ -76,10 +77,8 @@ class EngineConfig:
             :data:`megatron_gigpo.rollout.vllm_plugin.BACKENDS` (``mgigpo_shm`` / ``mgigpo_gloo`` on CPU,
             ``mgigpo_ipc`` / ``mgigpo_nccl`` on CUDA); None: ``mgigpo_ipc`` with CUDA, ``mgigpo_shm`` on CPU. Set
             by the placement plan.
-        return_routed_experts: return each generated sequence's routed experts (``GenerationResult.routed_experts``;
-            routing replay, ``algorithm.router_replay: rollout``): vLLM's ``enable_return_routed_experts``, which
-            needs a MoE model, prefix caching (on) and vLLM's model runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1`` is set
-            in the engine's processes; vLLM picks V1 on a machine without Triton, e.g. the CPU).
+        return_routed_experts: fill ``GenerationResult.routed_experts`` (routing replay): CUDA, vLLM's own (model
+            runner V2); CPU, :meth:`~.worker_extension.WeightSyncWorkerExtension.routed_experts_capture_start`.
     """
 
     model_path: str
@@ -172,12 +171,10 @@ class RolloutEngine:
             # offset") and the engine dies. Whole prompts only, so the step's token budget must hold one.
             kwargs.update(kv_cache_memory_bytes=int(config.rollout.cpu_kvcache_space_gib * (1 << 30)),
                           enable_chunked_prefill=False, max_num_batched_tokens=max(config.max_model_len, 8192))
-        prefix_caching = True
+        prefix_caching = self.cuda or not config.return_routed_experts  # the CPU capture needs every token run
         if config.return_routed_experts and self.cuda:  # vLLM's aux-output path exists in its model runner V2 only
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
             kwargs["enable_return_routed_experts"] = True
-        elif config.return_routed_experts:  # CPU: our capture on the V1 runner needs every token run, none cached
-            prefix_caching = False
         self.llm = LLM(
             model=config.model_path,
             tensor_parallel_size=config.tensor_parallel_size,
@@ -258,7 +255,7 @@ class RolloutEngine:
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
         params = [sampling.to_vllm(index_offset + i) for i in range(len(prompts))]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        captured = self._captured_routes(outputs) if self.capture_routed else {}
+        captured = routes_by_request(self.llm.collective_rpc("routed_experts_take")[0], outputs) if self.capture_routed else {}
         results = []
         for out in outputs:
             seq = out.outputs[0]
@@ -269,24 +266,6 @@ class RolloutEngine:
             routed = captured.get(out.request_id, seq.routed_experts) if self.config.return_routed_experts else None
             results.append(GenerationResult(ids, log_probs, str(seq.finish_reason), seq.text, version, routed))
         return results
-
-    def _captured_routes(self, outputs) -> dict[str, Any]:
-        """CPU: per request id of ``outputs``, the routed experts the worker recorded
-        (:meth:`~megatron_gigpo.rollout.worker_extension.WeightSyncWorkerExtension.routed_experts_capture_start`),
-        uint8 (P + R - 1, layers, top-k) as vLLM's ``CompletionOutput.routed_experts``. Every tensor-parallel
-        worker routes every token alike (the router is replicated); the first one's are read.
-
-        Raises:
-            RuntimeError: a request without recorded experts, or with another token count than it ran.
-        """
-        taken = self.llm.collective_rpc("routed_experts_take")[0]
-        by_request = {internal.rsplit("-", 1)[0]: routes for internal, routes in taken.items()}
-        for out in outputs:
-            routes, ran = by_request.get(out.request_id), len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
-            if routes is None or routes.shape[0] != ran:
-                raise RuntimeError(f"routed experts of request {out.request_id}: "
-                                   f"{None if routes is None else routes.shape[0]} tokens recorded, {ran} run")
-        return by_request
 
     def compute_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-probs of fixed sequences under the current weights (vLLM prompt log-probs).

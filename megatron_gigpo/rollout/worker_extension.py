@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["WeightSyncWorkerExtension"]
+__all__ = ["WeightSyncWorkerExtension", "routes_by_request"]
 
 
 class WeightSyncWorkerExtension:
@@ -71,16 +71,17 @@ class WeightSyncWorkerExtension:
         runner = self.model_runner
         self._routed_store: dict[str, list] = {}
         self._routed_step: dict[int, Any] = {}
-        bound = 0
+        bound = experts = 0
         for module in runner.get_model().modules():
             if isinstance(module, MoERunner):
                 if not isinstance(module.router, BaseRouter):
                     raise ValueError(f"routed-experts capture: router {type(module.router).__name__} has no capture hook")
                 module.router.set_capture_fn(partial(self._routed_capture, module.layer_id))
+                experts = max(experts, int(module.router.global_num_experts))
                 bound += 1
         if not bound:
             raise ValueError("routed-experts capture: the model has no MoE layer")
-        self._routed_layers = bound
+        self._routed_dtype = "uint8" if experts <= 256 else "uint16"  # as vLLM's own capture
         if not hasattr(runner, "_mgigpo_execute_model"):
             runner._mgigpo_execute_model = runner.execute_model
 
@@ -108,13 +109,32 @@ class WeightSyncWorkerExtension:
         for req_id in self.model_runner.input_batch.req_ids:
             n = int(scheduler_output.num_scheduled_tokens.get(req_id, 0))
             if n:
-                self._routed_store.setdefault(req_id, []).append(step[offset: offset + n].astype(np.uint8))
+                self._routed_store.setdefault(req_id, []).append(step[offset: offset + n].astype(self._routed_dtype))
             offset += n
 
     def routed_experts_take(self) -> dict[str, Any]:
         """The recorded experts since the last call, per request (vLLM's internal request id
-        ``<external id>-<8 random characters>``): uint8 numpy (tokens run, layers, top-k); then forgets them."""
+        ``<external id>-<8 random characters>``): uint8 numpy (uint16 past 256 experts) (tokens run, layers,
+        top-k); then forgets them."""
         import numpy as np
 
         store, self._routed_store = getattr(self, "_routed_store", {}), {}
         return {req_id: np.concatenate(parts, axis=0) for req_id, parts in store.items()}
+
+
+def routes_by_request(taken: dict[str, Any], outputs) -> dict[str, Any]:
+    """Per request id of vLLM's ``outputs`` (``RequestOutput``), the routed experts a worker recorded
+    (:meth:`WeightSyncWorkerExtension.routed_experts_take`), in the format of vLLM's
+    ``CompletionOutput.routed_experts``: (P + R - 1, layers, top-k). Every tensor-parallel worker routes every token
+    alike (the router is replicated), so one worker's are enough.
+
+    Raises:
+        RuntimeError: a request without recorded experts, or with another token count than it ran.
+    """
+    by_request = {internal.rsplit("-", 1)[0]: routes for internal, routes in taken.items()}
+    for out in outputs:
+        routes, ran = by_request.get(out.request_id), len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
+        if routes is None or routes.shape[0] != ran:
+            raise RuntimeError(f"routed experts of request {out.request_id}: "
+                               f"{None if routes is None else routes.shape[0]} tokens recorded, {ran} run")
+    return by_request
