@@ -501,6 +501,7 @@ def _build_engines(cfg: Config, model_dir: Path, plan, groups, *, wait: bool = T
         ray_options=[engine_options(groups, e) for e in plan.engines], timeouts=cfg.trainer.timeouts,
         distributed_executor_backend=plan.engines[0].executor, seed=cfg.trainer.seed,
         num_cpus=plan.engines[0].host.num_cpus, weight_transfer_backend=plan.weight_backend, wait=wait,
+        return_routed_experts=cfg.algorithm.router_replay == "rollout",
     )
 
 

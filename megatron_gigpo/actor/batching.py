@@ -44,6 +44,9 @@ class MicroBatch:
         stand_in: a copy of another rank's row that only keeps this rank in step with its expert-parallel peers
             (each MoE layer's token dispatch is a collective of the expert-parallel group, so its ranks run the
             same number of micro-batches): loss multiplied by zero, outputs dropped.
+        routed_experts: routing replay: int64 (L, S * B, K) (packed: (L, T, K)) expert ids per layer and token in
+            the decoder's flat order, and bool (S * B,) / (T,) marking the tokens the engine routed
+            (:func:`megatron_gigpo.actor.router_replay.micro_batch_targets`); None without replay.
     """
 
     rows: list[int]
@@ -54,6 +57,7 @@ class MicroBatch:
     labels: torch.Tensor
     response_lengths: list[int]
     stand_in: bool = False
+    routed_experts: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_response_tokens(self) -> int:
@@ -81,6 +85,7 @@ class MicroBatch:
             labels=self.labels.to(device),
             response_lengths=self.response_lengths,
             stand_in=self.stand_in,
+            routed_experts=None if self.routed_experts is None else tuple(t.to(device) for t in self.routed_experts),
         )
 
 
@@ -201,6 +206,7 @@ def build_micro_batch(
     packed: bool,
     pad_token_id: int = 0,
     pad_to_multiple: int = 1,
+    routed_experts: Sequence[torch.Tensor] | None = None,
 ) -> MicroBatch:
     """Model inputs for ``rows`` (indices into ``prompt_ids`` / ``response_ids``).
 
@@ -212,6 +218,8 @@ def build_micro_batch(
         pad_to_multiple: the sequence dimension (padded: the longest row; packed: the total) is padded to a
             multiple of this (sequence parallelism splits it over the TP ranks). Packed, the padding is one
             more sequence of its own after the rows.
+        routed_experts: routing replay: per row of the batch, integer (T_i, L, K) expert ids of its first T_i
+            tokens, laid out into :attr:`MicroBatch.routed_experts`; None: no replay.
 
     Raises:
         ValueError: a row has an empty prompt (the first response token would have no predictor).
@@ -250,6 +258,13 @@ def build_micro_batch(
         # decoder output (S, B, H): flat index = position * B + row
         index = [(prompt_lens[b] - 1 + torch.arange(resp_lens[b])) * batch + b for b in range(batch)]
     hidden_index = torch.cat(index).long() if index else torch.empty(0, dtype=torch.long)
+    replay = None
+    if routed_experts is not None:
+        from megatron_gigpo.actor.router_replay import micro_batch_targets
+
+        seq_lens = {r: n for r, n in zip(rows, lens)}
+        replay = micro_batch_targets(rows, routed_experts, seq_lens, seq=int(input_ids.shape[1]),
+                                     packed_starts=[int(x) for x in starts[:-1]] if packed else None)
     return MicroBatch(
         rows=list(rows),
         input_ids=input_ids,
@@ -258,4 +273,5 @@ def build_micro_batch(
         hidden_index=hidden_index,
         labels=labels,
         response_lengths=resp_lens,
+        routed_experts=replay,
     )

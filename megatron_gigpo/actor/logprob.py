@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ from megatron.core.utils import unwrap_model
 from torch.utils.checkpoint import checkpoint
 
 from megatron_gigpo.actor.batching import MicroBatch
+
+if TYPE_CHECKING:
+    from megatron_gigpo.actor.router_replay import ReplayedRouters
 
 __all__ = [
     "vocab_parallel_log_probs",
@@ -221,15 +224,22 @@ def final_hidden_states(gpt: torch.nn.Module) -> Iterator[None]:
 LossHead = Callable[[MicroBatch, torch.nn.Module, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
-def forward_step_func(loss_head: LossHead, device: torch.device) -> Callable:
+def forward_step_func(loss_head: LossHead, device: torch.device, replay: "ReplayedRouters | None" = None) -> Callable:
     """A Megatron ``forward_step_func(data_iterator, model)`` over :class:`MicroBatch` items.
 
     Every stage runs the model; on the last stage the returned loss function is ``loss_head(mb, gpt,
-    hidden)`` (Megatron calls it only there).
+    hidden)`` (Megatron calls it only there). With ``replay`` (routing replay, inside ``replay.active()``) each
+    micro-batch's :attr:`MicroBatch.routed_experts` are set on the routers before its forward.
+
+    Raises (in the step): ValueError: ``replay`` given and a micro-batch without routed experts.
     """
 
     def step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
         mb = next(data_iterator).to(device)
+        if replay is not None:
+            if mb.routed_experts is None:
+                raise ValueError(f"router replay: micro-batch of rows {mb.rows} has no routed experts")
+            replay.set_micro_batch(*mb.routed_experts)
         gpt = unwrap_model(model)
         context = final_hidden_states(gpt) if gpt.post_process else contextlib.nullcontext()
         with context:
@@ -252,8 +262,10 @@ def run_forward_only(
     micro_batches: Sequence[MicroBatch],
     head: HeadSettings,
     device: torch.device,
+    replay: "ReplayedRouters | None" = None,
 ) -> list[dict[str, torch.Tensor]]:
-    """One forward-only pass (Megatron schedule) over ``micro_batches``.
+    """One forward-only pass (Megatron schedule) over ``micro_batches``; with ``replay``, the MoE layers route
+    every token to the micro-batch's :attr:`MicroBatch.routed_experts` (routing replay).
 
     Returns:
         On the last pipeline stage, per micro-batch ``{"log_probs": (N_mb,), "entropy": (N_mb,)}`` float32
@@ -267,9 +279,9 @@ def run_forward_only(
     for chunk in model_chunks:
         chunk.eval()
     fb = get_forward_backward_func()
-    with torch.no_grad():
+    with torch.no_grad(), (replay.active() if replay is not None else contextlib.nullcontext()):
         outputs = fb(
-            forward_step_func=forward_step_func(functools.partial(_forward_only_head, head), device),
+            forward_step_func=forward_step_func(functools.partial(_forward_only_head, head), device, replay),
             data_iterator=iter(micro_batches),
             model=list(model_chunks),
             num_microbatches=len(micro_batches),

@@ -31,6 +31,8 @@ from megatron_gigpo.actor.batching import (
 from megatron_gigpo.actor.checkpoint import CheckpointState, load_actor_checkpoint, save_actor_checkpoint
 from megatron_gigpo.actor.config import ActorConfig
 from megatron_gigpo.actor.logprob import HeadSettings, run_forward_only
+from megatron_gigpo.actor.router_replay import ROUTED_EXPERTS, ReplayedRouters
+from megatron_gigpo.algo.config import router_replay_errors
 from megatron_gigpo.actor.update import MiniBatchPlan, RowData, train_mini_batch
 from megatron_gigpo.models.builder import build_gpt_model, load_hf_config, moe_settings
 from megatron_gigpo.models.checkpoint import write_model_sidecar
@@ -53,20 +55,26 @@ class PolicyActor:
     same model with its adapters disabled (no copy).
 
     Raises:
-        ValueError: invalid config (see :meth:`ActorConfig.validate`), or ``sequence_packing`` with a model
-            whose attention cannot take packed sequences.
+        ValueError: invalid config (see :meth:`ActorConfig.validate`), ``sequence_packing`` with a model
+            whose attention cannot take packed sequences, or ``loss.router_replay`` that the model or layout cannot
+            run (:func:`megatron_gigpo.algo.config.router_replay_errors`: a dense model, ...).
     """
 
     def __init__(self, config: ActorConfig) -> None:
         config.validate()
         p = config.parallel
+        self.hf_config = load_hf_config(config.model_path)
+        errors = router_replay_errors(config.loss.router_replay, num_experts=getattr(self.hf_config, "num_experts", None),
+                                      model=str(config.model_path), pipeline_stages=p.pipeline_model_parallel_size,
+                                      recompute_granularity=config.recompute.recompute_granularity)
+        if errors:  # before any process group or model exists
+            raise ValueError("; ".join(errors))
         distributed.initialize(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, seed=config.trainer.seed,
                                expert_model_parallel_size=p.expert_model_parallel_size,
                                expert_tensor_parallel_size=p.expert_tensor_parallel_size)
         config.validate(dist.get_world_size())
         self.config = config
         self.device = distributed.device()
-        self.hf_config = load_hf_config(config.model_path)
         policy = self._build_model()
         self.lora_layers: list[str] = []
         if config.lora.enabled:
@@ -89,6 +97,14 @@ class PolicyActor:
             reference = self._build_model()
             reference.requires_grad_(False)
             self.reference_chunks = [reference]
+        self.replay = self.reference_replay = None  # routing replay (algorithm.router_replay=rollout)
+        if config.loss.router_replay == "rollout":
+            layers = int(self.hf_config.num_hidden_layers)
+            self.replay = ReplayedRouters(self.model_chunks, layers)
+            if self.reference_chunks is not None:
+                self.reference_replay = ReplayedRouters(self.reference_chunks, layers)
+        #: after each compute_log_probs of the policy with routing replay: actor/router_replay_mismatch metrics
+        self.router_metrics: dict[str, float] = {}
         self.update_calls = 0
         self.optimizer_steps = 0
 
@@ -103,6 +119,7 @@ class PolicyActor:
             overrides["moe_token_dispatcher_type"] = "alltoall"
         if moe_settings(self.hf_config, parallel_state.get_expert_model_parallel_world_size()):
             overrides["moe_aux_loss_coeff"] = self.config.loss.moe_aux_loss_coeff
+            overrides["moe_enable_routing_replay"] = self.config.loss.router_replay == "rollout"
         model = build_gpt_model(self.hf_config, params_dtype=self.config.torch_dtype, **overrides)
         load_hf_weights(model, self.config.model_path)
         if self.config.trainer.sequence_packing:
@@ -204,15 +221,29 @@ class PolicyActor:
     def _build(self, batch, plan: Sequence[Sequence[int]], stand_ins: int = 0) -> list:
         """Micro-batches of ``plan``, then ``stand_ins`` stand-in micro-batches (:attr:`MicroBatch.stand_in`)."""
         packed, multiple = self.config.trainer.sequence_packing, self.config.sequence_multiple
-        built = [build_micro_batch(rows, batch.prompt_ids, batch.response_ids, packed=packed, pad_to_multiple=multiple)
-                 for rows in plan]
+        routed = self._routed_experts(batch)
+        built = [build_micro_batch(rows, batch.prompt_ids, batch.response_ids, packed=packed, pad_to_multiple=multiple,
+                                   routed_experts=routed) for rows in plan]
         if stand_ins:
             lengths = _lengths(batch.prompt_ids, batch.response_ids)
             shortest = min(range(len(lengths)), key=lambda r: (lengths[r], r))
             extra = build_micro_batch([shortest], batch.prompt_ids, batch.response_ids, packed=packed,
-                                      pad_to_multiple=multiple)
+                                      pad_to_multiple=multiple, routed_experts=routed)
             built += [dataclasses.replace(extra, stand_in=True) for _ in range(stand_ins)]
         return built
+
+    def _routed_experts(self, batch) -> list[torch.Tensor] | None:
+        """Per row, the engine's routed experts (T_i, L, K) with routing replay on; None when off.
+
+        Raises:
+            ValueError: routing replay on and the batch has no ``extras["routed_experts"]``."""
+        if self.replay is None:
+            return None
+        routed = batch.extras.get(ROUTED_EXPERTS)
+        if routed is None:
+            raise ValueError("algorithm.router_replay='rollout' but the batch has no extras['routed_experts'] (the "
+                             "rollout engine returns them with EngineConfig.return_routed_experts)")
+        return [torch.as_tensor(r) for r in routed]
 
     def _expert_parallel_stand_ins(self, plans: Sequence[Sequence[Sequence[int]]], mine: int) -> int:
         """Stand-in micro-batches this rank adds so that it runs as many as every other data-parallel rank (with
@@ -226,11 +257,15 @@ class PolicyActor:
             raise ValueError("compute_log_probs(reference=True) but loss.use_kl_loss=False (no reference model)")
         if reference and self.config.lora.enabled:
             with lora.adapters_disabled(self.model_chunks):
-                return self._forward_chunks(self.model_chunks, batch, with_entropy=with_entropy)
+                return self._forward_chunks(self.model_chunks, batch, with_entropy=with_entropy, replay=self.replay)
         chunks = self.reference_chunks if reference else self.model_chunks
-        return self._forward_chunks(chunks, batch, with_entropy=with_entropy)
+        replay = self.reference_replay if reference else self.replay
+        out = self._forward_chunks(chunks, batch, with_entropy=with_entropy, replay=replay)
+        if replay is not None and not reference:
+            self.router_metrics = replay.metrics(self.device)
+        return out
 
-    def _forward_chunks(self, chunks, batch, *, with_entropy: bool):
+    def _forward_chunks(self, chunks, batch, *, with_entropy: bool, replay: ReplayedRouters | None = None):
         lengths = _lengths(batch.prompt_ids, batch.response_ids)
         resp = [int(r.numel()) for r in batch.response_ids]
         budget = self.config.trainer.log_prob_micro_batch_tokens
@@ -242,7 +277,7 @@ class PolicyActor:
         outputs = []
         stand_ins = self._expert_parallel_stand_ins(plans, len(plans[dp_rank]))
         if plans[dp_rank] or stand_ins:
-            outputs = run_forward_only(chunks, self._build(batch, plans[dp_rank], stand_ins), head, self.device)
+            outputs = run_forward_only(chunks, self._build(batch, plans[dp_rank], stand_ins), head, self.device, replay)
             outputs = outputs[: len(plans[dp_rank])]  # the last stage's; empty elsewhere
         fields = ["log_probs"] + (["entropy"] if with_entropy else [])
         results = self._gather_rows(plans, outputs, fields, resp)
@@ -369,7 +404,7 @@ class PolicyActor:
             for mini in split_mini_batches(len(lengths), self.config.trainer.ppo_mini_batch_size, generator):
                 plan, row_plans = self._mini_batch_plan(batch, lengths, resp, mini)
                 step_metrics, step_log_probs = train_mini_batch(
-                    self.model_chunks, self.optimizer, plan, rows, self.config.loss, head, self.device
+                    self.model_chunks, self.optimizer, plan, rows, self.config.loss, head, self.device, self.replay
                 )
                 per_step.append(step_metrics)
         self.update_calls += 1
@@ -378,6 +413,8 @@ class PolicyActor:
         out = {f"actor/{k}": sum(m[k] for m in per_step if k in m) / sum(1 for m in per_step if k in m) for k in keys}
         out["actor/lr"] = per_step[-1]["lr"]
         out["actor/num_optimizer_steps"] = float(len(per_step))
+        if self.replay is not None:  # over every forward of this update (recomputed layers count again)
+            out |= self.replay.metrics(self.device)
         if old_log_probs is not None:
             return out, list(old_log_probs)
         # on-policy: one step, whose micro-batches computed every row's log-probs before it

@@ -14,9 +14,10 @@ independent of how rows fall into micro-batches or ranks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,9 @@ from megatron_gigpo.algo.config import AlgorithmConfig
 from megatron_gigpo.actor.logprob import HeadSettings, forward_step_func, response_log_probs
 from megatron_gigpo.algo.losses import compute_actor_loss
 from megatron_gigpo.algo.scatter import scatter_advantages_padded
+
+if TYPE_CHECKING:
+    from megatron_gigpo.actor.router_replay import ReplayedRouters
 
 __all__ = ["RowData", "MiniBatchPlan", "train_mini_batch", "METRIC_KEYS"]
 
@@ -179,6 +183,7 @@ def train_mini_batch(
     loss: AlgorithmConfig,
     head: HeadSettings,
     device: torch.device,
+    replay: "ReplayedRouters | None" = None,
 ) -> tuple[dict[str, float], list[torch.Tensor]]:
     """Gradient accumulation over ``plan``'s micro-batches, then exactly one optimizer step.
 
@@ -192,6 +197,8 @@ def train_mini_batch(
         rows: per-row old / reference log-probs and advantages of the whole batch.
         loss, head: loss and output-head settings.
         device: compute device of this rank.
+        replay: routing replay: the policy's routers, replaying each micro-batch's routed experts (forward and the
+            backward's recomputation); None: the routers choose.
 
     Returns:
         ``(metrics, log_probs)``. ``metrics``: ``{"loss", "entropy", "kl_loss", "grad_norm", "lr",
@@ -210,15 +217,16 @@ def train_mini_batch(
     dp_size = parallel_state.get_data_parallel_world_size()
     loss_head = functools.partial(_policy_loss_head, loss, head, rows, plan, dp_size)
     fb = get_forward_backward_func()
-    outputs = fb(
-        forward_step_func=forward_step_func(loss_head, device),
-        data_iterator=iter(plan.micro_batches),
-        model=list(model_chunks),
-        num_microbatches=len(plan.micro_batches),
-        seq_length=max(int(mb.input_ids.shape[1]) for mb in plan.micro_batches),
-        micro_batch_size=max(int(mb.input_ids.shape[0]) for mb in plan.micro_batches),
-        forward_only=False,
-    )
+    with replay.active() if replay is not None else contextlib.nullcontext():
+        outputs = fb(
+            forward_step_func=forward_step_func(loss_head, device, replay),
+            data_iterator=iter(plan.micro_batches),
+            model=list(model_chunks),
+            num_microbatches=len(plan.micro_batches),
+            seq_length=max(int(mb.input_ids.shape[1]) for mb in plan.micro_batches),
+            micro_batch_size=max(int(mb.input_ids.shape[0]) for mb in plan.micro_batches),
+            forward_only=False,
+        )
     outputs = list(outputs) if parallel_state.is_pipeline_last_stage() else []
     metrics = _reduce_metrics(outputs, device)
     log_probs = [out["log_probs"] for out in outputs if "log_probs" in out]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from megatron_gigpo.fields import choice, num
 
-__all__ = ["AlgorithmConfig", "DynamicSamplingConfig"]
+__all__ = ["AlgorithmConfig", "DynamicSamplingConfig", "router_replay_errors"]
 
 _LOSSES = "megatron_gigpo.algo.losses"
 
@@ -66,6 +66,33 @@ class AlgorithmConfig:
     # mixture-of-experts models: weight of megatron-core's load-balancing loss of each MoE layer (Switch
     # Transformer's, moe_router_load_balancing_type aux_loss), added to the policy loss; 0: off. Dense models: unread
     moe_aux_loss_coeff: float = num(0.0, ge=0)
+    # mixture-of-experts models: off (the actor's routers choose) | rollout: the rollout engine returns each token's
+    # routed experts and the actor's log-prob and update passes replay them (megatron-core's router replay;
+    # megatron_gigpo.actor.router_replay). Refused for dense models
+    router_replay: str = choice("off", ("off", "rollout"))
     # the mean is over the whole mini-batch (all micro-batches and data-parallel ranks)
     loss_agg_mode: str = choice("token-mean", f"{_LOSSES}:LOSS_AGG_MODES")
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+
+
+def router_replay_errors(router_replay: str, *, num_experts: int | None, model: str, pipeline_stages: int,
+                         recompute_granularity: str | None) -> list[str]:
+    """Why ``algorithm.router_replay`` cannot run with this model and layout, as messages naming the keys.
+
+    Args:
+        router_replay: ``"off"`` or ``"rollout"``.
+        num_experts: the model's routed experts per MoE layer; None or 0 for a dense model.
+        model: the model's path or id, for the message.
+        pipeline_stages, recompute_granularity: the actor's layout.
+    """
+    if router_replay == "off":
+        return []
+    errors = []
+    if not num_experts:
+        errors.append(f"algorithm.router_replay={router_replay!r} needs a mixture-of-experts model; '{model}' is dense "
+                      "(no num_experts): set algorithm.router_replay=off")
+    if pipeline_stages > 1 and recompute_granularity == "full":
+        errors.append(f"algorithm.router_replay={router_replay!r} with pipeline_model_parallel_size={pipeline_stages} "
+                      "and recompute_granularity=full: a recomputed layer would replay a later micro-batch's experts; "
+                      "use selective or no recomputation")
+    return errors

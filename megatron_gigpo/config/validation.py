@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_gigpo.algo.config import router_replay_errors
 from megatron_gigpo.cluster.placement import placement_errors
 from megatron_gigpo.config.schema import Config
 from megatron_gigpo.demos.experts import expert_env_names, no_expert_message
@@ -82,6 +83,18 @@ def _policy_shape(m: ModelConfig) -> ModelShape:
         a = m.architecture
         return ModelShape(a.num_attention_heads, a.num_key_value_heads, a.num_hidden_layers)
     return model_shape(m.path, m.revision)
+
+
+def _num_experts(m: ModelConfig) -> int | None:
+    """Routed experts per layer of the policy (None: dense, or a config that cannot be read; the layout check
+    reports the latter): ``model.architecture.num_experts`` for ``init: random``, else its config.json's."""
+    if m.init == "random" and m.architecture.num_experts is not None:
+        return m.architecture.num_experts
+    try:
+        hf = hf_config_for(m.path, m.revision)
+    except ValueError:
+        return None
+    return moe_shape(hf or {})[0] or None
 
 
 def _architecture_errors(a: ArchitectureConfig) -> list[str]:
@@ -228,6 +241,9 @@ def validate_config(cfg: Config, source: str = "config") -> None:
             errors.append(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the attention and KV heads")
     errors += _context_errors(cfg)
     errors += _expert_errors(cfg)
+    if a.router_replay != "off":
+        errors += router_replay_errors(a.router_replay, num_experts=_num_experts(cfg.model), model=cfg.model.path,
+                                       pipeline_stages=pp, recompute_granularity=cfg.actor.recompute_granularity)
     if t.ppo_mini_batch_size % dp:
         errors.append(f"trainer.ppo_mini_batch_size={t.ppo_mini_batch_size} must be divisible by DP={dp}")
     if (cfg.env.num_groups * r.n) % r.num_engines:
@@ -272,9 +288,7 @@ def _expert_errors(cfg: Config) -> list[str]:
         hf = hf_config_for(m.path, m.revision) or {}
     except ValueError:
         return []  # reported by _context_errors
-    experts = moe_shape(hf)[0]
-    if m.init == "random" and m.architecture.num_experts is not None:
-        experts = m.architecture.num_experts
+    experts = _num_experts(m)
     if not hf and not experts:
         return []
     if not experts:

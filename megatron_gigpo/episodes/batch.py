@@ -23,7 +23,10 @@ from megatron_gigpo.envs.base import Anchor
 
 #: Per-row entries of ``TrainingBatch.extras`` written by the collector: one item per row (a list, a 1-D
 #: tensor or a 1-D numpy array), kept aligned with the rows by :meth:`TrainingBatch.select`.
-ROW_EXTRAS: tuple[str, ...] = ("actions", "action_admissible")
+#: ``routed_experts`` (routing replay, ``algorithm.router_replay: rollout``): per row, the rollout engine's routed
+#: experts of every token it ran through the model, uint8 tensor (P_i + R_i - 1, layers, top-k)
+#: (:mod:`megatron_gigpo.actor.router_replay`).
+ROW_EXTRAS: tuple[str, ...] = ("actions", "action_admissible", "routed_experts")
 #: Per-trajectory entries of ``extras`` written by the collector (failed trajectories included):
 #: ``episodes`` (list of EpisodeSummary, with ``.uid``), ``failed_traj_ids`` (list of ``<uid>-n<j>`` ids) and
 #: ``failures`` (dict traj id -> error text).

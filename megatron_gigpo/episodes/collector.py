@@ -118,6 +118,7 @@ class _Row:
     admissible: bool  # the env recognised the action (reported as action/non_admissible_rate, not penalised)
     finish_reason: str
     action: str
+    routed_experts: Any = None  # numpy (P + R - 1, layers, top-k) from the engine (routing replay), or None
 
 
 @dataclass
@@ -540,6 +541,7 @@ class EpisodeCollector:
                 admissible=bool(result.action_valid),
                 finish_reason=str(generation.finish_reason),
                 action=projected.action,
+                routed_experts=generation.routed_experts,
             )
         )
         episode.prompt.advance(projected.action, result)
@@ -571,9 +573,17 @@ class EpisodeCollector:
                 "action_admissible": [r.admissible for _, r in kept],
                 "failed_traj_ids": [e.traj_id for e in episodes if e.failure is not None],
                 "failures": {e.traj_id: e.failure for e in episodes if e.failure is not None},
+                **self._routed_experts(kept),
             },
         )
         return batch, [r.finish_reason for _, r in kept]
+
+    @staticmethod
+    def _routed_experts(kept: list[tuple[_Episode, _Row]]) -> dict[str, list[torch.Tensor]]:
+        """``{"routed_experts": per row (P + R - 1, layers, top-k)}`` if the engines returned them, else empty."""
+        if not kept or any(r.routed_experts is None for _, r in kept):
+            return {}
+        return {"routed_experts": [torch.from_numpy(r.routed_experts) for _, r in kept]}
 
     def _summary(self, e: _Episode) -> EpisodeSummary:
         return EpisodeSummary(

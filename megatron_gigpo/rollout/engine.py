@@ -31,6 +31,7 @@ from megatron_gigpo.rollout import vllm_plugin
 from megatron_gigpo.rollout.errors import WeightSyncError
 from megatron_gigpo.rollout.sampling import GenerationResult, SamplingConfig, TokenizerInfo
 from megatron_gigpo.rollout.spec import WeightSpec, read_checkpoint_spec
+from megatron_gigpo.rollout.worker_extension import routes_by_request
 
 __all__ = [
     "SamplingConfig",
@@ -76,6 +77,8 @@ class EngineConfig:
             :data:`megatron_gigpo.rollout.vllm_plugin.BACKENDS` (``mgigpo_shm`` / ``mgigpo_gloo`` on CPU,
             ``mgigpo_ipc`` / ``mgigpo_nccl`` on CUDA); None: ``mgigpo_ipc`` with CUDA, ``mgigpo_shm`` on CPU. Set
             by the placement plan.
+        return_routed_experts: fill ``GenerationResult.routed_experts`` (routing replay): CUDA, vLLM's own (model
+            runner V2); CPU, :meth:`~.worker_extension.WeightSyncWorkerExtension.routed_experts_capture_start`.
     """
 
     model_path: str
@@ -89,6 +92,7 @@ class EngineConfig:
     num_cpus: float = 1.0
     distributed_executor_backend: str | None = None
     weight_transfer_backend: str | None = None
+    return_routed_experts: bool = False
 
     @property
     def max_model_len(self) -> int:
@@ -167,6 +171,10 @@ class RolloutEngine:
             # offset") and the engine dies. Whole prompts only, so the step's token budget must hold one.
             kwargs.update(kv_cache_memory_bytes=int(config.rollout.cpu_kvcache_space_gib * (1 << 30)),
                           enable_chunked_prefill=False, max_num_batched_tokens=max(config.max_model_len, 8192))
+        prefix_caching = self.cuda or not config.return_routed_experts  # the CPU capture needs every token run
+        if config.return_routed_experts and self.cuda:  # vLLM's aux-output path exists in its model runner V2 only
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+            kwargs["enable_return_routed_experts"] = True
         self.llm = LLM(
             model=config.model_path,
             tensor_parallel_size=config.tensor_parallel_size,
@@ -174,7 +182,7 @@ class RolloutEngine:
             max_model_len=config.max_model_len,
             seed=config.seed,
             enforce_eager=config.rollout.enforce_eager or not self.cuda,
-            enable_prefix_caching=True,
+            enable_prefix_caching=prefix_caching,
             logprobs_mode=config.logprobs_mode,
             max_num_seqs=config.max_num_seqs,
             worker_extension_cls=_EXTENSION,
@@ -182,6 +190,9 @@ class RolloutEngine:
             weight_transfer_config=WeightTransferConfig(backend=self.backend),
             **kwargs,
         )
+        self.capture_routed = config.return_routed_experts and not self.cuda
+        if self.capture_routed:
+            self.llm.collective_rpc("routed_experts_capture_start")
         self.spec: WeightSpec = read_checkpoint_spec(config.model_path, config.dtype)
         self.checksum: str | None = None
         self.sleeping = False
@@ -244,6 +255,7 @@ class RolloutEngine:
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
         params = [sampling.to_vllm(index_offset + i) for i in range(len(prompts))]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        captured = routes_by_request(self.llm.collective_rpc("routed_experts_take")[0], outputs) if self.capture_routed else {}
         results = []
         for out in outputs:
             seq = out.outputs[0]
@@ -251,7 +263,8 @@ class RolloutEngine:
             log_probs = [float(step[tok].logprob) for tok, step in zip(ids, seq.logprobs)] if seq.logprobs else []
             spans = seq.weight_versions or ()
             version = min((_version_number(span.version) for span in spans), default=self.weights_version()[0])
-            results.append(GenerationResult(ids, log_probs, str(seq.finish_reason), seq.text, version))
+            routed = captured.get(out.request_id, seq.routed_experts) if self.config.return_routed_experts else None
+            results.append(GenerationResult(ids, log_probs, str(seq.finish_reason), seq.text, version, routed))
         return results
 
     def compute_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:

@@ -7,7 +7,10 @@ Upstream API: vLLM ``SamplingParams`` (vllm 0.32).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["SamplingConfig", "GenerationResult", "TokenizerInfo"]
 
@@ -81,6 +84,10 @@ class GenerationResult:
             output tokens (``CompletionOutput.weight_versions``, set by ``finish_weight_update(weight_version)``;
             ``"default"``, the start checkpoint, is 0). Were a response sampled across a weight update, the oldest
             version that sampled any of its tokens.
+        routed_experts: with the engine's ``return_routed_experts`` (routing replay), the experts each MoE layer
+            routed every token the engine ran through the model to: uint8 (or uint16 past 256 experts) numpy
+            (P + R - 1, layers, top-k), the prompt's tokens then the response's but the last (vLLM
+            ``CompletionOutput.routed_experts``); None otherwise.
     """
 
     response_ids: list[int]
@@ -88,6 +95,7 @@ class GenerationResult:
     finish_reason: str
     text: str
     weight_version: int = 0
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
