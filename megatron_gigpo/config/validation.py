@@ -206,9 +206,6 @@ def validate_config(cfg: Config, source: str = "config") -> None:
         errors.append(f"parallel.expert_tensor_parallel_size ({etp}) x expert_model_parallel_size ({ep}) x "
                       f"pipeline_model_parallel_size ({pp}) must divide the actor's {tp * pp * dp} ranks "
                       f"(TP x PP x DP): megatron-core carves the expert ranks out of them")
-    if ep > 1:  # lift when export_hf_weights gathers the experts over the expert-parallel group
-        errors.append(f"parallel.expert_model_parallel_size={ep}: the weight sync into vLLM and the converters do not "
-                      f"gather experts over expert-parallel ranks yet (#40 item 2); use 1")
     # World size, engine GPUs and nodes: the placement plan's own check (one place decides where things run).
     errors += placement_errors(cfg)
     try:

@@ -38,7 +38,7 @@ def test_actor_config_checks_the_expert_layout_against_the_world():
         config.validate(3)
 
 
-def test_expert_parallelism_is_refused_until_the_sync_gathers_experts():
-    with pytest.raises(ConfigError, match=re.escape("parallel.expert_model_parallel_size=2: the weight sync into vLLM "
-                                                    "and the converters do not gather experts")):
-        load_config(ALF_7B, ["parallel.expert_tensor_parallel_size=1", "parallel.expert_model_parallel_size=2"])
+def test_expert_parallelism_is_accepted_in_recipes():
+    """The weight sync and the converters gather experts over the expert-parallel ranks, so recipes may set EP."""
+    cfg = load_config(ALF_7B, ["parallel.expert_tensor_parallel_size=1", "parallel.expert_model_parallel_size=2"])
+    assert cfg.parallel.expert_model_parallel_size == 2 and cfg.parallel.expert_tensor_parallel == 1
