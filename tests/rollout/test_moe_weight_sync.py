@@ -14,7 +14,7 @@ import torch
 
 from megatron_gigpo.rollout.engine import EngineConfig, RolloutEngine
 from megatron_gigpo.rollout.weight_sync import sync_weights, weights_checksum
-from rollout_testlib import ENGINE_KWARGS, random_prompts
+from rollout_testlib import ENGINE_KWARGS, hf_log_probs, random_prompts
 from tiny_models import make_tiny_hf_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow]
@@ -76,6 +76,14 @@ def _sync(ray_session, ranks, engine, bucket_size_bytes: int) -> None:
     version = ray_session.get(engine.weights_version.remote())[0] + 1
     metrics = sync_weights(ranks, [engine], version=version, bucket_size_bytes=bucket_size_bytes)
     assert metrics["weight_sync/num_tensors"] > 0
+
+
+def test_engine_and_actor_match_transformers_before_any_sync(ray_session, ranks, engine, moe_dir):
+    sequences = random_prompts(4, seed=41)
+    hf = hf_log_probs(moe_dir, None, sequences)
+    engine_diff = _max_diff(_engine_log_probs(ray_session, engine, sequences), hf)
+    actor_diff = _max_diff(_megatron_log_probs(ray_session, ranks, sequences), hf)
+    assert engine_diff < ATOL_FP32 and actor_diff < ATOL_FP32, (engine_diff, actor_diff)
 
 
 def test_ep2_updates_and_syncs_match_the_actor(ray_session, ranks, engine):
