@@ -1,10 +1,10 @@
 """Actor checkpoints on gloo: kill-and-resume is bit-identical (also with the DistributedOptimizer, whose Adam
-``step`` must be restored per parameter), a TP2 checkpoint loads at PP2 and at TP1/DP2, incomplete checkpoints
-are ignored and only the last ``keep_last`` are kept.
+``step`` must be restored per parameter, and for a tiny Qwen3-MoE at expert parallelism 2), a TP2 checkpoint loads
+at PP2 and at TP1/DP2, incomplete checkpoints are ignored and only the last ``keep_last`` are kept.
 
-Two spawns of two ranks: the first trains (update, save, two more updates) at TP2 and at DP2 with the
-DistributedOptimizer; the second is the restarted job, which resumes both and loads the TP2 checkpoint at other
-layouts.
+Two spawns of two ranks: the first trains (update, save, two more updates) at TP2, at DP2 with the
+DistributedOptimizer and the MoE at EP2; the second is the restarted job, which resumes all three and loads the TP2
+checkpoint at other layouts.
 """
 
 from __future__ import annotations
@@ -18,17 +18,21 @@ from actor_helpers import actor_config, adam_steps, make_batch, row_advantages, 
 from multiproc import spawn
 from tiny_models import make_tiny_hf_model
 
-RUNS = {"tp2": (2, 1, False), "dp2_distopt": (1, 1, True)}
+# name -> (TP, PP, DistributedOptimizer, MoE model with its settings): the MoE run is a tiny Qwen3-MoE at EP2 (two
+# experts per rank; one row per micro-batch, as in test_actor_layouts)
+RUNS = {"tp2": (2, 1, False, None), "dp2_distopt": (1, 1, True, None),
+        "moe_ep2": (1, 1, False, dict(expert_model_parallel_size=2, micro_batch_tokens=1,
+                                      log_prob_micro_batch_tokens=1))}
 TRAINER_STATE = {"iteration": 1, "data_position": 8, "sampler": {"epoch": 0}}
 
 
-def _actor(model_dir, tp: int, pp: int, distributed_optimizer: bool):
+def _actor(model_dir, tp: int, pp: int, distributed_optimizer: bool, moe: dict | None = None):
     from megatron_gigpo.actor.policy import PolicyActor
 
     # 8 rows / mini-batches of 3 -> 3 optimizer steps per update; shuffled
     config = actor_config(
         model_dir, tp=tp, pp=pp, use_distributed_optimizer=distributed_optimizer, ppo_mini_batch_size=3,
-        lr=1e-3, lr_warmup_steps=2, lr_decay_steps=8, lr_decay_style="cosine", min_lr=1e-4,
+        lr=1e-3, lr_warmup_steps=2, lr_decay_steps=8, lr_decay_style="cosine", min_lr=1e-4, **(moe or {}),
     )
     return PolicyActor(config)
 
@@ -46,13 +50,13 @@ def _two_updates(actor, batch) -> dict:
     return out
 
 
-def _train_and_save(rank: int, world_size: int, model_dir, root) -> dict:
+def _train_and_save(rank: int, world_size: int, model_dir, root, moe_dir) -> dict:
     from megatron_gigpo.actor import distributed
 
     start_rank()
     batch, results = make_batch(), {}
-    for name, (tp, pp, distopt) in RUNS.items():
-        actor = _actor(model_dir, tp, pp, distopt)
+    for name, (tp, pp, distopt, moe) in RUNS.items():
+        actor = _actor(moe_dir if moe else model_dir, tp, pp, distopt, moe)
         log_probs = actor.compute_log_probs(batch)
         actor.update(batch, row_advantages(batch), log_probs, actor.compute_log_probs(batch, reference=True))
         actor.save_checkpoint(str(Path(root) / name), 1, TRAINER_STATE, keep_last=2)
@@ -62,14 +66,14 @@ def _train_and_save(rank: int, world_size: int, model_dir, root) -> dict:
     return results
 
 
-def _resume(rank: int, world_size: int, model_dir, root) -> dict:
+def _resume(rank: int, world_size: int, model_dir, root, moe_dir) -> dict:
     from megatron_gigpo.actor import distributed
     from megatron_gigpo.actor.checkpoint_layout import complete_checkpoints
 
     start_rank()
     batch, results = make_batch(), {}
-    for name, (tp, pp, distopt) in RUNS.items():
-        actor = _actor(model_dir, tp, pp, distopt)
+    for name, (tp, pp, distopt, moe) in RUNS.items():
+        actor = _actor(moe_dir if moe else model_dir, tp, pp, distopt, moe)
         trainer_state = actor.load_checkpoint(str(Path(root) / name))
         results[name] = {"trainer_state": trainer_state, "counters": (actor.update_calls, actor.optimizer_steps)}
         results[name].update(_two_updates(actor, batch))
@@ -95,14 +99,15 @@ def _resume(rank: int, world_size: int, model_dir, root) -> dict:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("actor_checkpoint")
     model_dir = make_tiny_hf_model(tmp, tie=False, vocab_size=511)
+    moe_dir = make_tiny_hf_model(tmp, "qwen3_moe", tie=True, vocab_size=511, seed=4)
     root = tmp / "checkpoints"
-    trained = spawn(_train_and_save, 2, model_dir, root, timeout=900)
+    trained = spawn(_train_and_save, 2, model_dir, root, moe_dir, timeout=900)
     for name in RUNS:  # what a crash mid-save leaves behind must be ignored by the resume
         (root / name / "iter_00000009.tmp").mkdir()
         (root / name / "iter_00000009.tmp" / "meta.json").write_text("{}")
         (root / name / "iter_00000005").mkdir()
     (root / "prune" / "iter_00000001.tmp").mkdir(parents=True)  # removed by the next successful save
-    resumed = spawn(_resume, 2, model_dir, root, timeout=900)
+    resumed = spawn(_resume, 2, model_dir, root, moe_dir, timeout=900)
     return trained, resumed
 
 

