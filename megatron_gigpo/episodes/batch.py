@@ -23,7 +23,7 @@ from megatron_gigpo.envs.base import Anchor
 
 #: Per-row entries of ``TrainingBatch.extras`` written by the collector: one item per row (a list, a 1-D
 #: tensor or a 1-D numpy array), kept aligned with the rows by :meth:`TrainingBatch.select`.
-ROW_EXTRAS: tuple[str, ...] = ("actions", "action_admissible")
+ROW_EXTRAS: tuple[str, ...] = ("actions", "action_admissible", "engine", "weight_version")
 #: Per-trajectory entries of ``extras`` written by the collector (failed trajectories included):
 #: ``episodes`` (list of EpisodeSummary, with ``.uid``), ``failed_traj_ids`` (list of ``<uid>-n<j>`` ids) and
 #: ``failures`` (dict traj id -> error text).

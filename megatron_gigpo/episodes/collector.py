@@ -118,6 +118,8 @@ class _Row:
     admissible: bool  # the env recognised the action (reported as action/non_admissible_rate, not penalised)
     finish_reason: str
     action: str
+    engine: int = 0  # index of the engine that sampled the response
+    weight_version: int = 0  # the policy version the engine reported for it
 
 
 @dataclass
@@ -540,6 +542,8 @@ class EpisodeCollector:
                 admissible=bool(result.action_valid),
                 finish_reason=str(generation.finish_reason),
                 action=projected.action,
+                engine=int(generation.engine),
+                weight_version=int(generation.weight_version),
             )
         )
         episode.prompt.advance(projected.action, result)
@@ -569,6 +573,8 @@ class EpisodeCollector:
                 "num_groups": len(episodes) // n,
                 "actions": [r.action for _, r in kept],
                 "action_admissible": [r.admissible for _, r in kept],
+                "engine": [r.engine for _, r in kept],
+                "weight_version": [r.weight_version for _, r in kept],
                 "failed_traj_ids": [e.traj_id for e in episodes if e.failure is not None],
                 "failures": {e.traj_id: e.failure for e in episodes if e.failure is not None},
             },

@@ -81,6 +81,8 @@ class GenerationResult:
             output tokens (``CompletionOutput.weight_versions``, set by ``finish_weight_update(weight_version)``;
             ``"default"``, the start checkpoint, is 0). Were a response sampled across a weight update, the oldest
             version that sampled any of its tokens.
+        engine: index of the engine that sampled it in its :class:`~megatron_gigpo.rollout.engine.RolloutEngineGroup`
+            (0 for a lone engine).
     """
 
     response_ids: list[int]
@@ -88,6 +90,7 @@ class GenerationResult:
     finish_reason: str
     text: str
     weight_version: int = 0
+    engine: int = 0
 
 
 @dataclass(frozen=True)
