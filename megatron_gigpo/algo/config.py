@@ -42,7 +42,8 @@ class RolloutCorrectionConfig:
     sampling): weight ``min(rho, high)``; ``mis`` (masked importance sampling): weight ``rho`` inside ``[low, high]``
     and 0 outside. ``level: sequence`` uses one ratio per response, the geometric mean of its token ratios.
     With ``trainer.old_log_probs: rollout`` the PPO ratio already divides by the engine's probability, so only
-    ``mis`` applies there (its mask, from the current policy's detached log-probs). Weights, metrics and the exact
+    ``mis`` applies there (its mask, from the current policy's detached log-probs: after the update's first optimizer
+    step it also drops tokens the update moved out of the band). Weights, metrics and the exact
     formulas: :mod:`megatron_gigpo.algo.rollout_correction`."""
 
     mode: str = choice("none", "megatron_gigpo.algo.rollout_correction:MODES")  # none | tis | mis

@@ -17,7 +17,8 @@ The policy loss multiplies each token's PPO term by its weight (:func:`megatron_
 ``token_weights``); weights carry no gradient, and a masked token still counts in the loss's token or sequence
 mean (it contributes 0). With ``trainer.old_log_probs: rollout`` the PPO ratio is ``pi_theta / pi_engine`` and
 already contains ``rho``, so the weight is the ``mis`` mask alone, with ``rho`` from the current policy's detached
-log-probs (``ratio_has_engine=True``); ``tis`` is refused there.
+log-probs (``ratio_has_engine=True``): the actor's old log-probs on the update's first optimizer step, after which
+the mask also drops tokens the update itself moved out of the band; ``tis`` is refused there.
 
 Sources: truncated IS for the rollout-training mismatch, Yao et al. 2025 ("Your efficient RL framework secretly
 brings you off-policy RL training"); masked IS / rejection of mismatched tokens and sequences, Liu et al. 2025

@@ -114,7 +114,7 @@ def test_update_loss_equals_the_hand_weighted_loss(ranks, case):
     weights = _hand_weights(*CASES[case], lengths)
     expected = -sum(adv[r] * w for r, row in enumerate(weights) for w in row) / sum(lengths)
     unweighted = -sum(adv[r] * n for r, n in enumerate(lengths)) / sum(lengths)
-    assert abs(expected - unweighted) > 1e-2, "the case must change the loss"
+    assert abs(expected - unweighted) > 3e-3, "the case must change the loss"
     for rank_out in ranks:
         assert rank_out["weighted"][case] == pytest.approx(expected, abs=1e-5), (case, unweighted)
 
