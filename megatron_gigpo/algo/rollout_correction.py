@@ -112,11 +112,11 @@ def mismatch_metrics(actor_log_probs: Sequence[torch.Tensor], rollout_log_probs:
     actor = pad_sequence([a for a, _ in rows], batch_first=True)
     engine = pad_sequence([r for _, r in rows], batch_first=True)
     mask = pad_sequence([torch.ones(r.numel(), dtype=torch.bool) for _, r in rows], batch_first=True)
-    d = (actor - engine).clamp(-_LOG_CLAMP, _LOG_CLAMP)[mask]
+    d = (actor - engine).clamp(-_LOG_CLAMP, _LOG_CLAMP)[mask].double()  # float64: k3 of d ~ 1e-5 is ~1e-10
     log_rho = _log_rho(actor, engine, mask, level)
     per = log_rho[:, 0] if level == "sequence" else log_rho[mask]
     q = torch.quantile(per.exp().double(), torch.tensor([0.05, 0.5, 0.95], dtype=torch.float64))
-    out = {"rollout_correction/mismatch_kl": float((d.exp() - d - 1.0).double().mean()),
+    out = {"rollout_correction/mismatch_kl": float((torch.expm1(d) - d).mean()),
            "rollout_correction/rho_p5": float(q[0]), "rollout_correction/rho_p50": float(q[1]),
            "rollout_correction/rho_p95": float(q[2])}
     if mode != "none":
