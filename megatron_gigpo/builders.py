@@ -228,6 +228,7 @@ class RunContext(StartedStack):
         self.start_iteration = 0
         self.saved_iteration = 0  # the newest checkpoint's iteration (0: none)
         self.task_cursor = 0  # position in the training task stream (epoch_order) of the next group
+        self.weights_version = 0  # the policy version the engines were last synced to (0: the start weights)
         self.progress = self.bar = None
         self._stack = contextlib.ExitStack()
 
@@ -356,6 +357,41 @@ class RunContext(StartedStack):
         # A float fingerprint of what the engines now serve (the full checksum is checked inside the sync).
         _, checksum = self.engines.weights_version()[0]
         metrics["weight_sync/checksum_fp"] = float(int(checksum[:8], 16))
+        self.weights_version = version
+        return metrics
+
+    def engine_check(self, batch, actor_log_probs=None) -> dict[str, float]:
+        """The engines' log-probs of ``batch`` against the actor's, before the update: the gap and mismatch metrics
+        (:meth:`rollout_actor_gap`, :func:`~megatron_gigpo.algo.rollout_correction.mismatch_metrics`) and the
+        stale-engine alarm (:mod:`megatron_gigpo.run.stale_engine`).
+
+        Args:
+            actor_log_probs: the actor's log-probs of every row (the recomputed old log-probs), or None: then the
+                actor computes those of a probe of each engine's first rows (:func:`~megatron_gigpo.run.
+                stale_engine.probe_rows`, one small forward pass).
+        Raises:
+            StaleEngineError: an engine's gap is above ``trainer.stale_engine_gap`` (without top-k / top-p).
+        """
+        from megatron_gigpo.algo.rollout_correction import mismatch_metrics
+        from megatron_gigpo.run import stale_engine
+
+        cfg, n = self.cfg, batch.num_rows
+        engine_of, versions_of = batch.extras.get("engine", [0] * n), batch.extras.get("weight_version", [0] * n)
+        rows = list(range(n))
+        if actor_log_probs is None:
+            rows = stale_engine.probe_rows(engine_of)
+            actor_log_probs = self.actors.compute_log_probs(batch.select(rows))
+        engine_lp = [batch.rollout_log_probs[i] for i in rows]
+        rc = cfg.algorithm.rollout_correction
+        metrics = self.rollout_actor_gap(batch.select(rows), actor_log_probs)
+        metrics |= mismatch_metrics(actor_log_probs, engine_lp, mode=rc.mode, level=rc.level, low=rc.low, high=rc.high)
+        if stale_engine.armed(cfg.rollout.top_p, cfg.rollout.top_k):
+            versions: dict[int, set[int]] = {}
+            for i in rows:
+                versions.setdefault(int(engine_of[i]), set()).add(int(versions_of[i]))
+            threshold = stale_engine.gap_threshold(cfg.trainer.stale_engine_gap, cfg.model.params_dtype(cfg.trainer.device))
+            stale_engine.check_engines(stale_engine.engine_gaps(engine_lp, actor_log_probs, [engine_of[i] for i in rows]),
+                                       versions, self.weights_version, threshold)
         return metrics
 
     def _due(self, iteration: int, every: int) -> bool:
@@ -502,6 +538,8 @@ def _build_engines(cfg: Config, model_dir: Path, plan, groups, *, wait: bool = T
         distributed_executor_backend=plan.engines[0].executor, seed=cfg.trainer.seed,
         num_cpus=plan.engines[0].host.num_cpus, weight_transfer_backend=plan.weight_backend, wait=wait,
         return_routed_experts=cfg.algorithm.router_replay == "rollout",
+        # log-probs of logits / temperature (after top-k / top-p when on): what the actor computes without them
+        logprobs_mode="processed_logprobs",
     )
 
 

@@ -2,7 +2,8 @@
 
 One iteration: collect grouped episodes (vLLM engines x environment workers) -> old and reference
 log-probs (Megatron actor; no old log-prob pass when the update is one optimizer step, which then computes
-them itself) -> advantages (GiGPO registry) -> clipped updates -> resharding of the new weights into the
+them itself, or with ``trainer.old_log_probs: rollout``, which takes the engines') -> stale-engine check ->
+advantages (GiGPO registry) -> clipped updates -> resharding of the new weights into the
 engines -> periodic validation and checkpoint. Construction of the parts lives in
 :mod:`megatron_gigpo.builders`; this file only orders them.
 """
@@ -73,9 +74,14 @@ def _iteration(run, it: int) -> dict[str, float] | None:
         return metrics
     run.engines.sleep()  # GPU: free the KV cache while the actor computes (no-op on CPU)
     old_log_probs = None  # on-policy (one optimizer step): the update computes them itself, as verl does
-    if not update_is_on_policy(batch.num_rows, cfg.trainer):
+    recompute = cfg.trainer.old_log_probs == "recompute"
+    if not recompute:  # the PPO ratio's denominator is the engines' sampling log-probs: no pass
+        old_log_probs = list(batch.rollout_log_probs)
+    elif not update_is_on_policy(batch.num_rows, cfg.trainer):
         with timer("old_log_prob"):
             old_log_probs = run.actors.compute_log_probs(batch)
+    with timer("engine_check"):  # stale-engine alarm and mismatch metrics, before the update
+        metrics |= run.engine_check(batch, old_log_probs if recompute else None)
     ref_log_probs = None
     if cfg.algorithm.use_kl_loss:
         with timer("ref_log_prob"):
@@ -92,7 +98,7 @@ def _iteration(run, it: int) -> dict[str, float] | None:
         metrics |= run.sync_weights(version=it + 1)
     run.engines.wake_up()
     metrics |= _validate_and_save(run, timer, it + 1)
-    metrics |= run.advantage_metrics(adv) | run.rollout_actor_gap(batch, old_log_probs)
+    metrics |= run.advantage_metrics(adv)
     metrics |= timer.metrics(num_tokens=run.num_tokens(batch))
     run.log(metrics, it + 1)
     return metrics

@@ -365,8 +365,13 @@ class PolicyActor:
         Args:
             batch: the training batch (same on every rank); rows are ``(trajectory, step)``.
             row_advantages: float32 (rows,), one advantage per row (from ``algo.advantages``).
-            old_log_probs: per row float32 (R_i,), behaviour-policy log-probs; None for an on-policy update.
+            old_log_probs: per row float32 (R_i,), behaviour-policy log-probs; None for an on-policy update. With
+                ``trainer.old_log_probs: rollout`` the caller passes the engines' (``batch.rollout_log_probs``).
             ref_log_probs: per row float32 (R_i,) reference log-probs; required iff ``loss.use_kl_loss``.
+
+        With ``loss.rollout_correction.mode`` other than ``none`` each token's policy loss is weighted by the
+        mismatch correction of the actor's old log-probs and ``batch.rollout_log_probs``
+        (:mod:`megatron_gigpo.algo.rollout_correction`).
 
         Returns:
             ``(metrics, old_log_probs)`` in both modes. ``metrics``: ``actor/<metric>`` means over the
@@ -388,8 +393,11 @@ class PolicyActor:
                 ``old_log_probs`` is None while the update is not on-policy (``ppo_epochs > 1`` or more rows
                 than ``ppo_mini_batch_size``).
         """
+        engine_old = old_log_probs is not None and self.config.trainer.old_log_probs == "rollout"
         rows = RowData(
-            old_log_probs=old_log_probs, advantages=row_advantages.float().cpu(), ref_log_probs=ref_log_probs
+            old_log_probs=old_log_probs, advantages=row_advantages.float().cpu(), ref_log_probs=ref_log_probs,
+            rollout_log_probs=batch.rollout_log_probs if self.config.loss.rollout_correction.mode != "none" else None,
+            old_is_rollout=engine_old,
         )
         self._check_update_inputs(batch, rows)
         lengths = _lengths(batch.prompt_ids, batch.response_ids)

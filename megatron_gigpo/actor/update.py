@@ -29,6 +29,7 @@ from megatron_gigpo.actor.batching import MicroBatch
 from megatron_gigpo.algo.config import AlgorithmConfig
 from megatron_gigpo.actor.logprob import HeadSettings, forward_step_func, response_log_probs
 from megatron_gigpo.algo.losses import compute_actor_loss
+from megatron_gigpo.algo.rollout_correction import correction_weights
 from megatron_gigpo.algo.scatter import scatter_advantages_padded
 
 if TYPE_CHECKING:
@@ -60,11 +61,16 @@ class RowData:
             detached log-probs, so the importance ratio is exactly 1.
         advantages: float32 (rows,): one advantage per row.
         ref_log_probs: per row float32 (R_i,) reference log-probs, or None without KL loss.
+        rollout_log_probs: per row float32 (R_i,) engine sampling log-probs, or None; read when
+            ``loss.rollout_correction.mode`` is not ``none``.
+        old_is_rollout: ``old_log_probs`` are the engine's (``trainer.old_log_probs: rollout``).
     """
 
     old_log_probs: Sequence[torch.Tensor] | None
     advantages: torch.Tensor
     ref_log_probs: Sequence[torch.Tensor] | None
+    rollout_log_probs: Sequence[torch.Tensor] | None = None
+    old_is_rollout: bool = False
 
 
 @dataclass
@@ -125,6 +131,7 @@ def _policy_loss_head(
     row_adv = rows.advantages[mb.rows].to(device, torch.float32)  # (B,)
     advantages = scatter_advantages_padded(row_adv, mask)  # (B, R_max)
     ent = _pad(torch.split(entropy, lengths)) if entropy is not None else None
+    weights = _correction_weights(loss, rows, mb, log_prob, old, mask)
     value, metrics = compute_actor_loss(
         log_prob,
         old,
@@ -140,6 +147,7 @@ def _policy_loss_head(
         ref_log_prob=ref,
         kl_loss_type=loss.kl_loss_type,
         kl_loss_coef=loss.kl_loss_coef if loss.use_kl_loss else 0.0,
+        token_weights=weights,
     )
     tokens = sum(lengths)
     sequences = sum(1 for n in lengths if n > 0)
@@ -157,6 +165,23 @@ def _policy_loss_head(
         reported["log_probs"] = log_probs.detach().float().cpu()
     scale = weights["agg"] * len(plan.micro_batches) * dp_size
     return value * scale, reported
+
+
+def _correction_weights(loss: AlgorithmConfig, rows: RowData, mb: MicroBatch, log_prob: torch.Tensor,
+                        old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+    """(B, R_max) mismatch-correction weights of micro-batch ``mb`` (:mod:`megatron_gigpo.algo.rollout_correction`),
+    or None with ``rollout_correction.mode: none``. The actor's log-probs are ``old`` (recomputed, or on-policy the
+    detached current ones), or with engine old log-probs the current policy's, detached."""
+    rc = loss.rollout_correction
+    if rc.mode == "none":
+        return None
+    if rows.rollout_log_probs is None:
+        raise ValueError(f"algorithm.rollout_correction.mode={rc.mode} needs the engines' rollout_log_probs")
+    engine = _pad([rows.rollout_log_probs[r].to(old.device, torch.float32) for r in mb.rows])
+    prox = log_prob.detach() if rows.old_is_rollout else old
+    weights, _ = correction_weights(prox, engine, mask, mode=rc.mode, level=rc.level, low=rc.low, high=rc.high,
+                                    ratio_has_engine=rows.old_is_rollout)
+    return weights
 
 
 def _reduce_metrics(outputs: list[dict[str, torch.Tensor]], device: torch.device) -> dict[str, float]:

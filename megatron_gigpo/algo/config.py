@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from megatron_gigpo.fields import choice, num
 
-__all__ = ["AlgorithmConfig", "DynamicSamplingConfig", "router_replay_errors"]
+__all__ = ["AlgorithmConfig", "DynamicSamplingConfig", "RolloutCorrectionConfig", "off_policy_errors", "router_replay_errors"]
 
 _LOSSES = "megatron_gigpo.algo.losses"
 
@@ -32,6 +32,24 @@ class DynamicSamplingConfig:
     # joint: every row's advantage (GiGPO: A^E + omega * A^S) is zero, so equal returns with step signal stay
     criterion: str = choice("episode_return", "megatron_gigpo.episodes.dynamic_sampling:CRITERIA")
     max_rounds: int = num(10, ge=1)  # generation rounds per iteration, the first included
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Train-inference mismatch correction (``algorithm.rollout_correction``): the policy loss weights each response
+    token by the importance ratio ``rho = pi_actor_old / pi_engine`` of the actor's old probability to the
+    probability the vLLM engine sampled it with (exp of the log-prob difference). ``tis`` (truncated importance
+    sampling): weight ``min(rho, high)``; ``mis`` (masked importance sampling): weight ``rho`` inside ``[low, high]``
+    and 0 outside. ``level: sequence`` uses one ratio per response, the geometric mean of its token ratios.
+    With ``trainer.old_log_probs: rollout`` the PPO ratio already divides by the engine's probability, so only
+    ``mis`` applies there (its mask, from the current policy's detached log-probs: after the update's first optimizer
+    step it also drops tokens the update moved out of the band). Weights, metrics and the exact
+    formulas: :mod:`megatron_gigpo.algo.rollout_correction`."""
+
+    mode: str = choice("none", "megatron_gigpo.algo.rollout_correction:MODES")  # none | tis | mis
+    level: str = choice("token", "megatron_gigpo.algo.rollout_correction:LEVELS")  # token | sequence
+    low: float = num(0.5, ge=0, lt=1)  # mis: tokens / sequences with rho < low get weight 0
+    high: float = num(2.0, gt=1)  # tis: rho truncated at high; mis: rho > high gets weight 0
 
 
 @dataclass
@@ -73,6 +91,7 @@ class AlgorithmConfig:
     # the mean is over the whole mini-batch (all micro-batches and data-parallel ranks)
     loss_agg_mode: str = choice("token-mean", f"{_LOSSES}:LOSS_AGG_MODES")
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 def router_replay_errors(router_replay: str, *, num_experts: int | None, model: str, pipeline_stages: int,
@@ -95,4 +114,31 @@ def router_replay_errors(router_replay: str, *, num_experts: int | None, model: 
         errors.append(f"algorithm.router_replay={router_replay!r} with pipeline_model_parallel_size={pipeline_stages} "
                       "and recompute_granularity=full: a recomputed layer would replay a later micro-batch's experts; "
                       "use selective or no recomputation")
+    return errors
+
+
+def off_policy_errors(algorithm: AlgorithmConfig, old_log_probs: str, top_p: float, top_k: int) -> list[str]:
+    """Combinations of ``algorithm.rollout_correction``, ``trainer.old_log_probs`` and the rollout's sampling
+    truncation that cannot be made consistent, as messages naming the keys (empty: valid).
+
+    The engines return log-probs of the distribution they sample from after temperature and top-k / top-p
+    (vLLM ``logprobs_mode: processed_logprobs``, :mod:`megatron_gigpo.rollout.engine`): with a truncation on, that
+    distribution is renormalised over the kept tokens, which the actor (logits / temperature over the whole
+    vocabulary) does not compute, so the engine's log-probs cannot stand in for the actor's nor be compared with
+    them token by token.
+    """
+    errors = []
+    truncated = top_p < 1.0 or top_k > 0
+    uses_engine = [f"algorithm.rollout_correction.mode={algorithm.rollout_correction.mode}"] * (
+        algorithm.rollout_correction.mode != "none") + [f"trainer.old_log_probs={old_log_probs}"] * (
+        old_log_probs == "rollout")
+    if truncated and uses_engine:
+        errors.append(f"{' and '.join(uses_engine)} need the engines' log-probs of the full distribution, but "
+                      f"rollout.top_p={top_p} / rollout.top_k={top_k} truncate it (vLLM returns the renormalised "
+                      "truncated distribution the actor cannot compute); set rollout.top_p=1.0 and rollout.top_k=-1, "
+                      "or rollout_correction.mode=none and trainer.old_log_probs=recompute")
+    if old_log_probs == "rollout" and algorithm.rollout_correction.mode == "tis":
+        errors.append("algorithm.rollout_correction.mode=tis with trainer.old_log_probs=rollout: the PPO ratio "
+                      "already divides by the engine's probability and its clip bounds it; use mode=mis (masks "
+                      "mismatched tokens) or trainer.old_log_probs=recompute")
     return errors

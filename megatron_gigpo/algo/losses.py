@@ -133,6 +133,7 @@ def compute_policy_loss(
     clip_ratio_high: float,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with asymmetric clip range and dual clip.
 
@@ -149,6 +150,8 @@ def compute_policy_loss(
         clip_ratio_low, clip_ratio_high: clip bounds, >= 0.
         clip_ratio_c: dual-clip constant, > 1.
         loss_agg_mode: see :func:`agg_loss`.
+        token_weights: (B, T) float32 without gradient, or None (all 1): each token's loss is multiplied by its
+            weight before aggregation (the mismatch correction, :mod:`megatron_gigpo.algo.rollout_correction`).
     Returns:
         ``(loss, metrics)``: scalar loss; metrics (scalars, detached): ``pg_loss``, ``pg_clipfrac`` (fraction of
         tokens where the clipped branch is active), ``pg_clipfrac_lower`` (dual clip active), ``ppo_kl``
@@ -178,6 +181,9 @@ def compute_policy_loss(
     negative = advantages < 0
     clipfrac_lower = masked_mean(((loss_ppo > loss_dual) & negative).to(log_prob.dtype), mask)
     loss_mat = torch.where(negative, loss_dual_clipped, loss_ppo)
+    if token_weights is not None:
+        _check_same_shape(log_prob=log_prob, token_weights=token_weights)
+        loss_mat = loss_mat * token_weights.detach()
 
     loss = agg_loss(loss_mat, mask, loss_agg_mode)
     metrics = {
@@ -200,6 +206,7 @@ def compute_nll_loss(
     clip_ratio_high: float = 0.0,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Negative log-likelihood of the response tokens: supervised fine-tuning on demonstrations.
 
@@ -212,7 +219,7 @@ def compute_nll_loss(
         log_prob: (B, T) float32, current policy log-probs of the target tokens.
         old_log_prob, advantages: (B, T), ignored (shape-checked only).
         response_mask: (B, T) bool or {0, 1}.
-        clip_ratio_low, clip_ratio_high, clip_ratio_c: ignored.
+        clip_ratio_low, clip_ratio_high, clip_ratio_c, token_weights: ignored (demonstrations have no engine).
         loss_agg_mode: see :func:`agg_loss`.
     Returns:
         ``(loss, metrics)``; metrics: ``nll`` (the aggregated loss, detached).
@@ -285,6 +292,7 @@ def compute_actor_loss(
     ref_log_prob: torch.Tensor | None,
     kl_loss_type: str,
     kl_loss_coef: float,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor's full objective: ``policy_loss - entropy_coeff * H + kl_loss_coef * KL``.
 
@@ -297,6 +305,7 @@ def compute_actor_loss(
         ref_log_prob: (B, T) reference log-probs, or None (no KL loss; then ``kl_loss_coef`` must be 0).
         kl_loss_type: see :func:`kl_penalty`.
         kl_loss_coef: weight of the KL loss (>= 0).
+        token_weights: (B, T) mismatch-correction weights of the policy loss, or None.
     Returns:
         ``(loss, metrics)``; metrics add ``entropy`` and ``kl_loss`` (aggregated like the loss) to the policy
         loss's metrics.
@@ -318,6 +327,7 @@ def compute_actor_loss(
         clip_ratio_high=clip_ratio_high,
         clip_ratio_c=clip_ratio_c,
         loss_agg_mode=loss_agg_mode,
+        token_weights=token_weights,
     )
     if entropy is not None:
         ent = agg_loss(entropy, response_mask, loss_agg_mode)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_gigpo.algo.config import router_replay_errors
+from megatron_gigpo.algo.config import off_policy_errors, router_replay_errors
 from megatron_gigpo.cluster.placement import placement_errors
 from megatron_gigpo.config.schema import Config
 from megatron_gigpo.demos.experts import expert_env_names, no_expert_message
@@ -206,6 +206,7 @@ def validate_config(cfg: Config, source: str = "config") -> None:
     if a.dynamic_sampling.enabled and a.adv_estimator not in group_relative:
         errors.append(f"algorithm.dynamic_sampling.enabled=true needs a group-relative estimator "
                       f"({', '.join(group_relative)}), got algorithm.adv_estimator={a.adv_estimator!r}")
+    errors += off_policy_errors(a, t.old_log_probs, r.top_p, r.top_k)
     if cfg.model.init == "random":
         errors += _architecture_errors(cfg.model.architecture)
     errors += _revision_errors(cfg.model)

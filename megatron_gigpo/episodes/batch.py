@@ -26,7 +26,7 @@ from megatron_gigpo.envs.base import Anchor
 #: ``routed_experts`` (routing replay, ``algorithm.router_replay: rollout``): per row, the rollout engine's routed
 #: experts of every token it ran through the model, uint8 tensor (P_i + R_i - 1, layers, top-k)
 #: (:mod:`megatron_gigpo.actor.router_replay`).
-ROW_EXTRAS: tuple[str, ...] = ("actions", "action_admissible", "routed_experts")
+ROW_EXTRAS: tuple[str, ...] = ("actions", "action_admissible", "routed_experts", "engine", "weight_version")
 #: Per-trajectory entries of ``extras`` written by the collector (failed trajectories included):
 #: ``episodes`` (list of EpisodeSummary, with ``.uid``), ``failed_traj_ids`` (list of ``<uid>-n<j>`` ids) and
 #: ``failures`` (dict traj id -> error text).

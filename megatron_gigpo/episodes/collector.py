@@ -119,6 +119,8 @@ class _Row:
     finish_reason: str
     action: str
     routed_experts: Any = None  # numpy (P + R - 1, layers, top-k) from the engine (routing replay), or None
+    engine: int = 0  # index of the engine that sampled the response
+    weight_version: int = 0  # the policy version the engine reported for it
 
 
 @dataclass
@@ -542,6 +544,8 @@ class EpisodeCollector:
                 finish_reason=str(generation.finish_reason),
                 action=projected.action,
                 routed_experts=generation.routed_experts,
+                engine=int(generation.engine),
+                weight_version=int(generation.weight_version),
             )
         )
         episode.prompt.advance(projected.action, result)
@@ -571,6 +575,8 @@ class EpisodeCollector:
                 "num_groups": len(episodes) // n,
                 "actions": [r.action for _, r in kept],
                 "action_admissible": [r.admissible for _, r in kept],
+                "engine": [r.engine for _, r in kept],
+                "weight_version": [r.weight_version for _, r in kept],
                 "failed_traj_ids": [e.traj_id for e in episodes if e.failure is not None],
                 "failures": {e.traj_id: e.failure for e in episodes if e.failure is not None},
                 **self._routed_experts(kept),

@@ -13,6 +13,8 @@ split over engines. Upstream API: vLLM ``LLM.generate`` / ``SamplingParams`` / `
 
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import logging
 import os
@@ -547,8 +549,8 @@ class RolloutEngineGroup:
         parts = [(k, e, lo, hi) for k, (e, (lo, hi)) in enumerate(chunks) if hi > lo]
         refs = [e.generate.remote(prompt_token_ids[lo:hi], sampling, index_offset=lo) for _, e, lo, hi in parts]
         labels = [f"engine {k} ({hi - lo} prompts)" for k, _, lo, hi in parts]
-        return [result for chunk in self._get(refs, "generate on the rollout engines", self.generate_timeout_s, labels)
-                for result in chunk]
+        chunks = self._get(refs, "generate on the rollout engines", self.generate_timeout_s, labels)
+        return [dataclasses.replace(result, engine=k) for (k, *_), chunk in zip(parts, chunks) for result in chunk]
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         """K contiguous [lo, hi) ranges covering n items, sizes differing by at most one."""

@@ -64,6 +64,13 @@ class TrainerConfig:
     # Recompute the batch's log-probs after each update and report how they moved for rows of positive and of
     # negative advantage (actor/update_effect_*): one extra forward pass per iteration; for learning checks.
     update_effect_metrics: bool = False
+    # recompute: the PPO ratio's denominator is the actor's log-probs of the batch before the update (one
+    # forward pass) | rollout: the engines' sampling log-probs, no pass (megatron_gigpo.algo.rollout_correction)
+    old_log_probs: str = choice("recompute", ("recompute", "rollout"))
+    # Stale-engine alarm: after each weight sync, the mean |engine - actor| log-prob of the next batch's tokens
+    # above this stops the run before the update (megatron_gigpo.run.stale_engine); null: the default of
+    # model.dtype measured on healthy runs (stale_engine.DEFAULT_GAPS)
+    stale_engine_gap: float | None = num(None, gt=0)
     output_dir: str = "runs"
     project_name: str = "megatron-gigpo"
     experiment_name: str = "default"

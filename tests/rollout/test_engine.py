@@ -47,6 +47,8 @@ def test_generate_returns_responses_and_log_probs_in_prompt_order(group):
     prompts = random_prompts(5)
     results = group.generate(prompts, SamplingConfig(max_tokens=6, seed=3))
     assert len(results) == 5
+    # 5 prompts over 2 engines in contiguous chunks: 2, then 3; each result names the engine that sampled it
+    assert [r.engine for r in results] == [0, 0, 1, 1, 1]
     for result in results:
         assert 1 <= len(result.response_ids) <= 6
         assert len(result.log_probs) == len(result.response_ids)

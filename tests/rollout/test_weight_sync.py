@@ -190,3 +190,47 @@ def test_disaggregated_broadcast_and_bf16_engine(ray_session, ranks, engines, ti
               f"{hf_diff:.3f}, stale engine {_max_diff(stale, megatron):.3f} "
               f"(max |log-prob| {max(float(m.abs().max()) for m in megatron):.1f})")
         assert engine_diff < ATOL_BF16 and engine_diff < 2 * hf_diff + 0.1
+
+
+def _sampled_gap(ray_session, ranks, engine, seed: int):
+    """Sample 6 responses on ``engine`` (temperature 1, top-p 1) and return their per-engine gap against the actor
+    ranks (:func:`megatron_gigpo.run.stale_engine.engine_gaps`) and the weight versions the results report."""
+    from megatron_gigpo.run.stale_engine import engine_gaps
+
+    prompts = random_prompts(6, seed=seed)
+    results = ray_session.get(engine.generate.remote(prompts, SamplingConfig(max_tokens=8, seed=seed)))
+    full = [p + r.response_ids for p, r in zip(prompts, results, strict=True)]
+    actor = [lp[len(p) - 1:] for p, lp in zip(prompts, _megatron_log_probs(ray_session, ranks, full), strict=True)]
+    engine_lp = [torch.tensor(r.log_probs, dtype=torch.float32) for r in results]
+    return engine_gaps(engine_lp, actor, [0] * len(results)), {0: {r.weight_version for r in results}}
+
+
+def test_stale_engine_alarm_trips_on_a_sync_that_stages_but_never_loads(ray_session, ranks, engines):
+    from megatron_gigpo.run.stale_engine import DEFAULT_GAPS, StaleEngineError, check_engines
+    from rollout_testlib import shm_chunk
+
+    engine, threshold = engines["float32"], DEFAULT_GAPS["float32"]
+    version = _next_version(ray_session, engine)
+    sync_weights(ranks, [engine], version=version, bucket_size_bytes=1 << 20)
+    healthy, versions = _sampled_gap(ray_session, ranks, engine, seed=40)
+    print(f"fp32 engine vs actor after a good sync: mean |gap| {healthy[0][0]:.3g} over {healthy[0][1]} tokens")
+    check_engines(healthy, versions, version, threshold)  # a good sync never trips
+    assert versions == {0: {version}}
+
+    ray_session.get([r.sgd_step.remote(BF16_TRAIN, 0.05) for r in ranks])  # the next policy
+    stale_version = version + 1
+    node = ray_session.get(engine.sync_info.remote())["node_id"]
+    ray_session.get(engine.init_weight_transfer_engine.remote({"dtype": "float32", "node_key": node}))
+    ray_session.get(engine.start_weight_update.remote(stale_version))
+    chunk, shm = shm_chunk(list(_exported(ray_session, ranks)), node_key=node)
+    ray_session.get(engine.update_weights.remote(chunk))  # every new weight staged ...
+    shm.close()
+    ray_session.get(engine.abort_weight_update.remote())  # ... and never loaded: the engine keeps the old ones
+    stale, versions = _sampled_gap(ray_session, ranks, engine, seed=41)
+    print(f"stale fp32 engine after one SGD step: mean |gap| {stale[0][0]:.3g}")
+    with pytest.raises(StaleEngineError, match=rf"engine 0 \(reports weight version {version}, the actor is at "
+                                               rf"{stale_version}\): mean \|engine - actor\| log-prob"):
+        check_engines(stale, versions, stale_version, threshold)
+    # the engine is still usable: a real sync clears the alarm
+    sync_weights(ranks, [engine], version=stale_version, bucket_size_bytes=1 << 20)
+    check_engines(*_sampled_gap(ray_session, ranks, engine, seed=42), stale_version, threshold)
