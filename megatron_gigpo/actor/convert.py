@@ -56,7 +56,7 @@ def _hf_params_dtype(hf_config: Any) -> torch.dtype:
 def convert_hf_to_megatron(
     hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, params_dtype: torch.dtype | None = None
 ) -> None:
-    """Build the model for the current TP/PP layout, load HF weights, save a Megatron dist checkpoint.
+    """Build the model for the current TP/PP/EP layout, load HF weights, save a Megatron dist checkpoint.
 
     Collective: call on every rank after ``megatron_gigpo.actor.distributed.initialize``.
     ``params_dtype`` defaults to the dtype the HF config declares (float32 if none).
@@ -115,7 +115,7 @@ def convert_megatron_to_hf(
     peft: bool = False,
     base_dir: str | os.PathLike | None = None,
 ) -> None:
-    """Load a Megatron dist checkpoint into the current TP/PP layout and write an HF model directory.
+    """Load a Megatron dist checkpoint into the current TP/PP/EP layout and write an HF model directory.
 
     A LoRA actor checkpoint (``lora.json``, :mod:`megatron_gigpo.actor.lora_files`) is its base model
     (``base_dir``, default the path in ``lora.json``) plus the saved adapters: written as merged weights
@@ -268,11 +268,16 @@ def _parser(description: str, *, to_hf: bool) -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-model-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-model-parallel size")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-model-parallel size (mixture-of-experts models: each rank holds experts / EP)")
+    parser.add_argument("--etp", type=int, default=None,
+                        help="expert-tensor-parallel size (mixture-of-experts models; default: --tp)")
     return parser
 
 
-def _run(tp: int, pp: int, work) -> int:
-    """Run ``work`` with Megatron initialised for (tp, pp); a one-process group when not under torchrun."""
+def _run(args: argparse.Namespace, work) -> int:
+    """Run ``work`` with Megatron initialised for the layout in ``args`` (``tp``, ``pp``, ``ep``, ``etp``); a
+    one-process group when not under torchrun."""
     from megatron_gigpo.actor import distributed
 
     single = "RANK" not in os.environ and not dist.is_initialized()
@@ -281,7 +286,8 @@ def _run(tp: int, pp: int, work) -> int:
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=datetime.timedelta(hours=1))
     try:
-        distributed.initialize(tp, pp)
+        distributed.initialize(args.tp, args.pp, expert_model_parallel_size=args.ep,
+                               expert_tensor_parallel_size=args.etp)
         work()
     finally:
         distributed.destroy()
@@ -307,7 +313,7 @@ def main_hf_to_megatron(argv: Sequence[str] | None = None) -> int:
     args = _parser("Convert an HF model to a Megatron distributed checkpoint.", to_hf=False).parse_args(argv)
     dtype = _DTYPES[args.params_dtype] if args.params_dtype else None
     hf_dir = _cached(args.hf_dir, args.revision)
-    return _run(args.tp, args.pp, lambda: convert_hf_to_megatron(hf_dir, args.out, params_dtype=dtype))
+    return _run(args, lambda: convert_hf_to_megatron(hf_dir, args.out, params_dtype=dtype))
 
 
 def main_megatron_to_hf(argv: Sequence[str] | None = None) -> int:
@@ -320,8 +326,7 @@ def main_megatron_to_hf(argv: Sequence[str] | None = None) -> int:
         print(f"converting {megatron_dir} (iteration {iteration})", flush=True)
     base_dir = _cached(args.base_dir)
     return _run(
-        args.tp,
-        args.pp,
+        args,
         lambda: convert_megatron_to_hf(
             megatron_dir,
             args.out,

@@ -12,11 +12,10 @@ Both directions use the per-architecture rules of ``megatron_gigpo.models.mappin
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,6 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from megatron_gigpo.models.builder import hf_config_of, load_hf_config, unwrap_gpt_model
+from megatron_gigpo.models.export_gather import BucketGather, ExportEntry, broadcast_bucket, buckets_of
 from megatron_gigpo.models.mapping import (
     ModelMapping,
     ShardLayout,
@@ -268,28 +268,29 @@ def _check_no_unknown_tensors(
         )
 
 
-class _Entry(NamedTuple):
-    """One exported parameter: its owner pipeline stage, TP-shard shape, export dtype and HF tensors."""
-
-    name: str
-    stage: int
-    local_shape: tuple[int, ...]
-    dtype: torch.dtype
-    hf_parts: list[tuple[str, tuple[int, ...]]]
-
-    @property
-    def local_nbytes(self) -> int:
-        return math.prod(self.local_shape) * self.dtype.itemsize
-
-
-def _export_plan(model, rules: dict[str, TensorRule], mapping: ModelMapping, hf_config: Any, dtype) -> list[_Entry]:
-    """Every exported parameter of the whole model, in rule order. Identical on all ranks of a pipeline group."""
+def _export_plan(
+    model, rules: dict[str, TensorRule], mapping: ModelMapping, hf_config: Any, dtype
+) -> list[ExportEntry]:
+    """Every exported parameter of the whole model (every expert of every layer), in rule order. Identical on all
+    ranks: a collective over the expert-parallel group (each EP rank lists its experts) and the pipeline group."""
     local = {}
     for name, param in global_parameters(model):
         if name not in rules:
             raise MissingTensorError(f"Megatron parameter {name!r} has no {mapping.model_type} HF mapping")
         if mapping.exported(rules[name], hf_config):
-            local[name] = (tuple(param.shape), dtype or param.dtype)
+            local[name] = (tuple(param.shape), dtype or param.dtype, 0 if _LOCAL_EXPERT.match(name) else -1)
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
+    if ep_size > 1:  # each EP rank holds num_experts / EP experts: list them all, each with its owner EP rank
+        per_ep: list[dict] = [None] * ep_size
+        dist.all_gather_object(per_ep, local, group=parallel_state.get_expert_model_parallel_group())
+        local = {name: item for name, item in local.items() if item[2] < 0}
+        for owner, entries in enumerate(per_ep):
+            for name, (shape, out_dtype, expert) in entries.items():
+                if expert >= 0:
+                    if name in local:
+                        raise RuntimeError(f"export_hf_weights: expert parameter {name!r} is on EP ranks "
+                                           f"{local[name][2]} and {owner}")
+                    local[name] = (shape, out_dtype, owner)
     stages: list[dict] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
     dist.all_gather_object(stages, local, group=parallel_state.get_pipeline_model_parallel_group())
     layout = shard_layout(model, hf_config)
@@ -297,20 +298,17 @@ def _export_plan(model, rules: dict[str, TensorRule], mapping: ModelMapping, hf_
     for name, rule in rules.items():
         for stage, entries in enumerate(stages):
             if name in entries:
-                shape, out_dtype = entries[name]
+                shape, out_dtype, owner = entries[name]
                 hf_parts = list(zip(rule.hf_names, rule.hf_shapes(shape, layout)))
-                plan.append(_Entry(name, stage, shape, out_dtype, hf_parts))
+                plan.append(ExportEntry(name, stage, shape, out_dtype, hf_parts, owner))
                 break
     return plan
 
 
-def _model_plan(model, dtype, hf_config) -> tuple[list[_Entry], dict[str, TensorRule], Any]:
-    """``(export plan, mapping rules, hf_config)`` of ``model`` (a collective over the pipeline group)."""
+def _model_plan(model, dtype, hf_config) -> tuple[list[ExportEntry], dict[str, TensorRule], Any]:
+    """``(export plan, mapping rules, hf_config)`` of ``model`` (a collective over the EP and pipeline groups)."""
     first = model[0] if isinstance(model, (list, tuple)) else model
     hf_config = hf_config_of(first, hf_config)
-    if parallel_state.get_expert_model_parallel_world_size() > 1:
-        # each EP rank holds only its experts; gathering them (over the expert-parallel group) is not written yet
-        raise NotImplementedError("exporting HF weights with expert_model_parallel_size > 1 is not supported yet")
     mapping = get_model_mapping(hf_config)
     rules = mapping.rules(hf_config)
     return _export_plan(model, rules, mapping, hf_config, dtype), rules, hf_config
@@ -325,9 +323,9 @@ def export_metadata(
     """``(hf_name, dtype, full HF shape)`` of every tensor :func:`export_hf_weights` yields, in the order it yields
     them (the receiving rank's concatenated buckets; independent of the bucket size).
 
-    Identical on every rank; no tensor moves. With pipeline parallelism it is a collective of the pipeline group
-    (one ``all_gather_object`` of the stages' parameter shapes, as the export itself does), so every rank of the
-    model must call it, in the same order relative to other collectives.
+    Identical on every rank; no tensor moves. With expert or pipeline parallelism it is a collective of the
+    expert-parallel and pipeline groups (one ``all_gather_object`` each of the ranks' parameter shapes, as the
+    export itself does), so every rank of the model must call it, in the same order relative to other collectives.
 
     Args:
         model: as for :func:`export_hf_weights`.
@@ -336,24 +334,6 @@ def export_metadata(
     """
     plan, _, _ = _model_plan(model, dtype, hf_config)
     return [(hf_name, entry.dtype, tuple(shape)) for entry in plan for hf_name, shape in entry.hf_parts]
-
-
-def _buckets(plan: list[_Entry], bucket_size_bytes: int) -> list[list[_Entry]]:
-    buckets, current, size = [], [], 0
-    for entry in plan:
-        nbytes = sum(torch.Size(shape).numel() for _, shape in entry.hf_parts) * entry.dtype.itemsize
-        if current and size + nbytes > bucket_size_bytes:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(entry)
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 @torch.no_grad()
@@ -374,8 +354,11 @@ def export_hf_weights(
     converts the shards to HF tensors (q/k/v split, gate/up split, vocab padding dropped). For
     ``destination="rank0"`` the TP-rank-0 of every other stage then sends its HF tensors, as one batch,
     straight into the output tensors of the TP-rank-0 of pipeline stage 0 (global rank 0 in Megatron's
-    default rank order). Messages are ``torch.distributed.batch_isend_irecv`` batches (gloo or NCCL).
-    Other data-parallel replicas yield empty buckets without communicating.
+    default rank order). Routed experts (mixture-of-experts layers) come from expert-data-parallel rank 0
+    instead: each expert is merged on expert-TP-rank-0 of the expert-parallel rank that holds it and sent over the
+    expert-parallel group to the stage's TP-rank-0 (:mod:`megatron_gigpo.models.export_gather`), one bucket at a
+    time. Messages are ``torch.distributed.batch_isend_irecv`` batches (gloo or NCCL). Ranks that are neither
+    data-parallel rank 0 nor expert-data-parallel rank 0 yield empty buckets without communicating.
 
     Args:
         model: GPTModel (or DDP/Float16Module wrapper, or list of VPP chunks) from ``build_gpt_model``.
@@ -407,175 +390,8 @@ def export_hf_weights(
     if bucket_size_bytes <= 0:
         raise ValueError(f"bucket_size_bytes must be positive, got {bucket_size_bytes}")
     plan, rules, hf_config = _model_plan(model, dtype, hf_config)
-    buckets = _buckets(plan, bucket_size_bytes)
-    gather = None
-    if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
-        gather = _BucketGather(model, rules, shard_layout(model, hf_config), destination)
-    for bucket in buckets:
-        tensors = gather.bucket(bucket) if gather is not None else []
-        yield _broadcast_bucket(bucket, tensors) if destination == "all" else tensors
-
-
-def _broadcast_bucket(
-    entries: list[_Entry], tensors: list[tuple[str, torch.Tensor]]
-) -> list[tuple[str, torch.Tensor]]:
-    """Global rank 0's HF tensors of one bucket (``tensors``, ignored elsewhere) on every rank of the default
-    group, as one broadcast of a flat byte buffer; elsewhere the tensors are views of a fresh buffer per bucket."""
-    parts = [(hf_name, shape, entry.dtype) for entry in entries for hf_name, shape in entry.hf_parts]
-    offsets, cursor = [], 0
-    for _, shape, dtype in parts:
-        offsets.append(cursor)
-        cursor += -(-math.prod(shape) * dtype.itemsize // _ALIGN_BYTES) * _ALIGN_BYTES
-    flat = torch.empty(cursor, dtype=torch.uint8, device=_device())
-
-    def view(index: int) -> torch.Tensor:
-        _, shape, dtype = parts[index]
-        return flat[offsets[index] : offsets[index] + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-
-    sender = dist.get_rank() == 0
-    if sender:
-        if [name for name, _ in tensors] != [name for name, _, _ in parts]:
-            raise RuntimeError("export_hf_weights(destination='all'): rank 0's bucket differs from the plan")
-        for index, (_, tensor) in enumerate(tensors):
-            view(index).copy_(tensor)
-    if cursor:
-        dist.broadcast(flat, src=0)
-    return tensors if sender else [(name, view(index)) for index, (name, _, _) in enumerate(parts)]
-
-
-_ALIGN_BYTES = 64  # every shard view in a flat buffer starts aligned for any dtype
-
-
-class _Part(NamedTuple):
-    """One pipeline stage's entries of a bucket in a flat byte buffer: TP rank t's shards at ``t * nbytes``."""
-
-    entries: list[_Entry]
-    offsets: list[int]  # byte offset of each entry's shard within a TP rank's slot
-    nbytes: int  # one TP rank's slot
-
-    def shards(self, flat: torch.Tensor, tp_size: int) -> dict[str, list[torch.Tensor]]:
-        """Views of every TP rank's shard of each entry (in TP-rank order)."""
-        return {
-            entry.name: [_shard_view(flat[t * self.nbytes :], offset, entry) for t in range(tp_size)]
-            for entry, offset in zip(self.entries, self.offsets)
-        }
-
-
-def _parts(bucket: list[_Entry]) -> dict[int, _Part]:
-    by_stage: dict[int, list[_Entry]] = {}
-    for entry in bucket:
-        by_stage.setdefault(entry.stage, []).append(entry)
-    parts = {}
-    for stage, entries in by_stage.items():
-        offsets, cursor = [], 0
-        for entry in entries:
-            offsets.append(cursor)
-            cursor += -(-entry.local_nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
-        parts[stage] = _Part(entries, offsets, cursor)
-    return parts
-
-
-def _shard_view(flat: torch.Tensor, offset: int, entry: _Entry) -> torch.Tensor:
-    return flat[offset : offset + entry.local_nbytes].view(entry.dtype).view(entry.local_shape)
-
-
-def _p2p(op, tensors: list[torch.Tensor], group, peers: list[int]) -> None:
-    """``op`` (dist.isend / dist.irecv) of each tensor with its group-rank peer, as one batch; waits for all."""
-    if tensors:
-        ops = [dist.P2POp(op, tensor, group=group, group_peer=peer) for tensor, peer in zip(tensors, peers)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-
-
-class _BucketGather:
-    """One rank's part of :func:`export_hf_weights` in data-parallel replica 0, one bucket at a time."""
-
-    def __init__(self, model, rules: dict[str, TensorRule], layout: ShardLayout, destination: str):
-        self.params = dict(global_parameters(model))
-        self.rules, self.layout = rules, layout
-        self.stage = parallel_state.get_pipeline_model_parallel_rank()
-        self.tp_group = parallel_state.get_tensor_model_parallel_group()
-        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
-        self.per_stage = destination == "pp_stage"
-        self.device = _device()
-        # Staging buffers, reused across buckets: writing into fresh pages costs ~3x a warm copy on CPU.
-        self.scratch: dict[Any, torch.Tensor] = {}
-
-    def _receiver(self, stage: int) -> int:
-        """Pipeline stage whose TP-rank-0 receives the tensors of ``stage``."""
-        return stage if self.per_stage else 0
-
-    def _buffer(self, key: Any, nbytes: int) -> torch.Tensor:
-        buffer = self.scratch.get(key)
-        if buffer is None or buffer.numel() < nbytes:
-            self.scratch.pop(key, None)
-            buffer = self.scratch[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return buffer[:nbytes]
-
-    def bucket(self, entries: list[_Entry]) -> list[tuple[str, torch.Tensor]]:
-        """This rank's part of one bucket: the HF tensors on the receiving rank, ``[]`` elsewhere."""
-        parts = _parts(entries)
-        received: dict[str, list[tuple[str, torch.Tensor]]] = {}
-        if self.layout.tp_rank == 0:
-            for entry in entries:
-                if entry.stage != self.stage and self._receiver(entry.stage) == self.stage:
-                    received[entry.name] = [
-                        (hf_name, torch.empty(shape, dtype=entry.dtype, device=self.device))
-                        for hf_name, shape in entry.hf_parts
-                    ]
-        # Post the pipeline receives before this stage's own work, which the other stages' sends overlap.
-        ops = [
-            dist.P2POp(dist.irecv, tensor, group=self.pp_group, group_peer=entry.stage)
-            for entry in entries
-            for _, tensor in received.get(entry.name, ())
-        ]
-        works = dist.batch_isend_irecv(ops) if ops else []
-        local = self._stage_tensors(parts[self.stage]) if self.stage in parts else {}
-        for work in works:
-            work.wait()
-        return [pair for entry in entries for pair in local.get(entry.name, received.get(entry.name, ()))]
-
-    def _stage_tensors(self, part: _Part) -> dict[str, list[tuple[str, torch.Tensor]]]:
-        """Gather this stage's shards of ``part`` on its TP-rank-0 (one message per TP rank) and make the HF
-        tensors there. Returns them on the receiving rank; the stage's other TP-rank-0 sends them on."""
-        tp_rank, tp_size = self.layout.tp_rank, self.layout.tp_size
-        receiver = tp_rank == 0 and self._receiver(self.stage) == self.stage
-        shards: dict[str, list[torch.Tensor]] = {}
-        packed = []
-        for entry, offset in zip(part.entries, part.offsets):
-            param = export_value(self.params[entry.name])
-            if tp_size == 1 and param.dtype == entry.dtype:
-                shards[entry.name] = [param]  # no cast, no message: merged straight from the parameter
-            else:
-                packed.append((entry, offset, param))
-        if packed:
-            flat = self._buffer("stage", (tp_size if tp_rank == 0 else 1) * part.nbytes)
-            for entry, offset, param in packed:
-                _shard_view(flat, offset, entry).copy_(param)  # the cast to the export dtype happens in the copy
-            if tp_rank != 0:
-                _p2p(dist.isend, [flat], self.tp_group, [0])
-                return {}
-            slots = [flat[t * part.nbytes : (t + 1) * part.nbytes] for t in range(1, tp_size)]
-            _p2p(dist.irecv, slots, self.tp_group, list(range(1, tp_size)))
-            for name, views in part.shards(flat, tp_size).items():
-                shards.setdefault(name, views)
-        tensors = self._merge(part.entries, shards)
-        if not receiver:
-            # HF tensors, not shards: the receiving rank gets them straight into its output tensors.
-            outgoing = [tensor for entry in part.entries for _, tensor in tensors[entry.name]]
-            _p2p(dist.isend, outgoing, self.pp_group, [self._receiver(self.stage)] * len(outgoing))
-            return {}
-        return tensors
-
-    def _merge(self, entries: list[_Entry], shards: dict[str, list[torch.Tensor]]) -> dict[str, list]:
-        """HF tensors of each entry, none of them a view of a staging buffer."""
-        staging = {buffer.untyped_storage().data_ptr() for buffer in self.scratch.values()}
-        out = {}
-        for entry in entries:
-            out[entry.name] = []
-            for hf_name, tensor in self.rules[entry.name].merge_shards(shards[entry.name], self.layout):
-                tensor = tensor.contiguous()
-                if tensor.untyped_storage().data_ptr() in staging:
-                    tensor = tensor.clone()  # the buffer is rewritten by the next bucket
-                out[entry.name].append((hf_name, tensor))
-        return out
+    gather = BucketGather(dict(global_parameters(model)), rules, shard_layout(model, hf_config), destination,
+                          export_value)
+    for bucket in buckets_of(plan, bucket_size_bytes):
+        tensors = gather.bucket(bucket) if gather.active else []
+        yield broadcast_bucket(bucket, tensors) if destination == "all" else tensors

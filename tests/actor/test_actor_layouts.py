@@ -30,8 +30,8 @@ LAYOUTS = {"tp2": (2, 1, False), "pp2": (1, 2, False), "dp2_distopt": (1, 1, Tru
 MOE_ROWS = 7
 
 
-def _run_layout(model_dir, tp: int, pp: int, distributed_optimizer: bool, *, extra: bool, export: bool = True,
-                rows: int = 8, **settings) -> dict:
+def _run_layout(model_dir, tp: int, pp: int, distributed_optimizer: bool, *, extra: bool, rows: int = 8,
+                **settings) -> dict:
     from megatron_gigpo.actor import distributed
     from megatron_gigpo.actor.policy import PolicyActor
 
@@ -52,7 +52,7 @@ def _run_layout(model_dir, tp: int, pp: int, distributed_optimizer: bool, *, ext
     out["first"], _ = actor.update(batch, adv, out["log_probs"], out["ref_log_probs"])
     # same behaviour log-probs: the loss at the updated weights, before the second step
     out["second"], _ = actor.update(batch, adv, out["log_probs"], out["ref_log_probs"])
-    out["weights"] = export_full_weights(actor) if export else None
+    out["weights"] = export_full_weights(actor)
     del actor
     distributed.destroy()
     return out
@@ -69,9 +69,8 @@ def _two_rank_layouts(rank: int, world_size: int, model_dir, qwen3_dir, moe_dir)
     }
     results["qwen3_tp2"] = _run_layout(qwen3_dir, 2, 1, False, extra=False)
     results["qwen3_tp2_sp"] = _run_layout(qwen3_dir, 2, 1, False, extra=False, sequence_parallel=True)
-    # the export gathers no experts over EP yet (megatron_gigpo.models.weights refuses EP > 1). 7 rows, one per
-    # micro-batch: 4 micro-batches on one rank, 3 and a stand-in on the other
-    results["qwen3_moe_ep2"] = _run_layout(moe_dir, 1, 1, False, extra=False, export=False, rows=MOE_ROWS,
+    # 7 rows, one per micro-batch: 4 micro-batches on one rank, 3 and a stand-in on the other
+    results["qwen3_moe_ep2"] = _run_layout(moe_dir, 1, 1, False, extra=False, rows=MOE_ROWS,
                                            expert_model_parallel_size=2, micro_batch_tokens=1,
                                            log_prob_micro_batch_tokens=1)
     results["micro_batching"] = [_seq_mean_update(model_dir, budget) for budget in (24, 10**6)]
@@ -274,8 +273,19 @@ def test_qwen3_moe_at_ep2_matches_hugging_face_log_probs_and_first_step(two_rank
     data-parallel ranks, each with its own rows: 4 micro-batches on one, 3 and a stand-in on the other, since every
     MoE layer's token dispatch is a collective of both): log-probs and entropies equal transformers', the first
     update's loss and gradient norm are the objective's on transformers' log-probs (expert gradients from both
-    ranks' tokens, averaged as the dense ones), and the second update's loss is lower."""
+    ranks' tokens, averaged as the dense ones), and the second update's loss is lower. The export after the two
+    updates (on rank 0) has every HF tensor with its shape, and every expert's weights moved, also those of the
+    experts held by the other expert-parallel rank."""
+    from safetensors.torch import load_file
+
     _assert_runs_match_hugging_face(two_rank_runs, "qwen3_moe_ep2", moe_dir, MOE_ROWS)
+    weights, original = two_rank_runs[0]["qwen3_moe_ep2"]["weights"], load_file(str(moe_dir / "model.safetensors"))
+    assert not two_rank_runs[1]["qwen3_moe_ep2"]["weights"]
+    assert sorted(weights) == sorted(original)
+    for name, tensor in original.items():
+        assert weights[name].shape == tensor.shape, name
+        if ".mlp.experts." in name:
+            assert not torch.equal(weights[name], tensor), f"{name} did not move in two updates"
 
 
 @pytest.mark.multiprocess

@@ -37,3 +37,8 @@ def test_actor_config_checks_the_expert_layout_against_the_world():
                                                    "x expert_model_parallel_size 2")):
         config.validate(3)
 
+
+def test_expert_parallelism_is_accepted_in_recipes():
+    """The weight sync and the converters gather experts over the expert-parallel ranks, so recipes may set EP."""
+    cfg = load_config(ALF_7B, ["parallel.expert_tensor_parallel_size=1", "parallel.expert_model_parallel_size=2"])
+    assert cfg.parallel.expert_model_parallel_size == 2 and cfg.parallel.expert_tensor_parallel == 1

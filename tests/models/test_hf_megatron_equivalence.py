@@ -260,8 +260,8 @@ def test_logits_export_and_load_errors_tp1_tp2_pp2(tiny_dirs, tokens, hf_logits,
 
 def _run_moe_layouts(rank: int, world_size: int, layouts, model_dir: str, tokens: torch.Tensor) -> dict:
     """Per (TP, PP, EP, expert TP, token dispatcher) layout: this data-parallel rank's logits of its own row of
-    ``tokens`` (so the expert-parallel ranks route different tokens), and the export check where experts are not
-    split over EP."""
+    ``tokens`` (so the expert-parallel ranks route different tokens), and the export checks (rank 0, per stage with
+    PP, ``destination="all"`` and ``export_metadata``)."""
     from megatron.core import parallel_state as ps
 
     from megatron_gigpo.actor import distributed
@@ -280,7 +280,9 @@ def _run_moe_layouts(rank: int, world_size: int, layouts, model_dir: str, tokens
         results[(tp, pp, ep, etp, dispatcher)] = {
             "row": row,
             "logits": logits if ps.get_tensor_model_parallel_rank() == 0 else None,
-            "rank0": _check_export(model, Path(model_dir), "rank0") if ep == 1 else None,
+            "rank0": _check_export(model, Path(model_dir), "rank0"),
+            "pp_stage": _check_export(model, Path(model_dir), "pp_stage") if pp > 1 else None,
+            "all": _check_all_and_metadata(model, Path(model_dir)),
         }
         distributed.destroy(process_group=False)
     return results
@@ -290,9 +292,9 @@ def _run_moe_layouts(rank: int, world_size: int, layouts, model_dir: str, tokens
 def test_qwen3_moe_logits_ep1_ep2_tp2_pp2(tmp_path_factory, tokens):
     """Tiny Qwen3-MoE (4 experts, top-2 renormalised, every layer MoE) through megatron-core's MoE layer on two gloo
     ranks: EP1 (DP2), EP2 (two experts per rank, each rank routing its own tokens) with the all-gather and the
-    all-to-all dispatcher (the latter through cpu_compat's host-side splits), TP2 (experts split over TP too),
-    TP2 x EP2 (expert TP 1) and PP2 give transformers' logits; without EP the export returns every expert's HF
-    tensors bit-exactly."""
+    all-to-all dispatcher (the latter through cpu_compat's host-side splits), TP2 (experts split over TP too, or
+    not: expert TP 1), TP2 x EP2 (expert TP 1) and PP2 give transformers' logits, and the export returns every
+    expert's HF tensors bit-exactly in each (at EP2 each gathered from the EP rank that holds it)."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
@@ -303,8 +305,15 @@ def test_qwen3_moe_logits_ep1_ep2_tp2_pp2(tmp_path_factory, tokens):
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as handle:
         names = set(handle.keys())
     layouts = [(1, 1, 1, 1, "allgather"), (1, 1, 2, 1, "allgather"), (1, 1, 2, 1, "alltoall"),
-               (2, 1, 1, 2, "allgather"), (2, 1, 2, 1, "allgather"), (1, 2, 1, 1, "allgather")]
+               (2, 1, 1, 2, "allgather"), (2, 1, 1, 1, "allgather"), (2, 1, 2, 1, "allgather"),
+               (1, 2, 1, 1, "allgather")]
     per_rank = spawn(_run_moe_layouts, 2, layouts, str(model_dir), tokens, timeout=600)
+    _assert_moe_layouts(per_rank, layouts, expected, names)
+    # EP2: the ranks routed different tokens
+    assert {run[(1, 1, 2, 1, "alltoall")]["row"] for run in per_rank} == {0, 1}
+
+
+def _assert_moe_layouts(per_rank: list[dict], layouts, expected: torch.Tensor, names: set[str]) -> None:
     for layout in layouts:
         runs = [r[layout] for r in per_rank]
         where = "TP{} PP{} EP{} expert-TP{} {}".format(*layout)
@@ -313,9 +322,37 @@ def test_qwen3_moe_logits_ep1_ep2_tp2_pp2(tmp_path_factory, tokens):
             if run["logits"] is not None:
                 torch.testing.assert_close(run["logits"], expected[run["row"] : run["row"] + 1], atol=ATOL, rtol=0,
                                            msg=where)
-        if layout[2] == 1:
-            _assert_export([run["rank0"] for run in runs], names, 1, where)
-    assert {run[(1, 1, 2, 1, "alltoall")]["row"] for run in per_rank} == {0, 1}  # EP2: the ranks routed different tokens
+        _assert_export([run["rank0"] for run in runs], names, 1, where)
+        _assert_all_and_metadata(runs, where)
+        if layout[1] > 1:
+            _assert_export([run["pp_stage"] for run in runs], names, layout[1], where + " per stage")
+
+
+@pytest.fixture(scope="module")
+def moe8_dir(tmp_path_factory) -> Path:
+    """A tiny random untied Qwen3-MoE with 8 experts (top-2)."""
+    return make_tiny_hf_model(tmp_path_factory.mktemp("moe8"), "qwen3_moe", tie=False, seed=6, num_experts=8)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_qwen3_moe_export_ep2_with_tp2_and_pp2(moe8_dir):
+    """Four gloo ranks, tiny Qwen3-MoE with 8 experts (untied): EP2 x TP2 with expert TP 1 (each expert gathered from
+    expert-data-parallel rank 0 of two) and with expert TP 2 (experts split over the tensor-parallel ranks too),
+    EP2 x PP2, and EP4: transformers' logits, and the HF tensors bit-exactly from every export destination."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    tokens = torch.randint(0, 500, (4, 12), generator=torch.Generator().manual_seed(1))  # (B, T): a row per DP rank
+    hf = AutoModelForCausalLM.from_pretrained(str(moe8_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(tokens).logits  # (B, T, V)
+    with safe_open(str(moe8_dir / "model.safetensors"), framework="pt") as handle:
+        names = set(handle.keys())
+    layouts = [(2, 1, 2, 1, "allgather"), (2, 1, 2, 2, "allgather"), (1, 2, 2, 1, "allgather"),
+               (1, 1, 4, 1, "alltoall")]
+    per_rank = spawn(_run_moe_layouts, 4, layouts, str(moe8_dir), tokens, timeout=900)
+    _assert_moe_layouts(per_rank, layouts, expected, names)
 
 
 @pytest.mark.multiprocess

@@ -30,9 +30,10 @@ class MegatronRank:
             return "127.0.0.1", sock.getsockname()[1]
 
     def init(self, master_addr: str, master_port: int, model_dir: str, tp: int, pp: int,
-             lora: dict | None = None) -> None:
+             lora: dict | None = None, ep: int = 1) -> None:
         """Join the group and build the model; ``lora``: :class:`~megatron_gigpo.models.config.LoraConfig` fields to
-        freeze the model and attach LoRA adapters (then ``sgd_step`` trains only them)."""
+        freeze the model and attach LoRA adapters (then ``sgd_step`` trains only them); ``ep``: expert-parallel
+        size of a mixture-of-experts model (expert TP 1)."""
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         torch.set_num_threads(1)
@@ -40,7 +41,8 @@ class MegatronRank:
         from megatron_gigpo.models.builder import build_gpt_model, load_hf_config
         from megatron_gigpo.models.weights import load_hf_weights
 
-        distributed.initialize(tp, pp, seed=1234)
+        distributed.initialize(tp, pp, seed=1234, expert_model_parallel_size=ep,
+                               expert_tensor_parallel_size=1 if ep > 1 else None)
         self.model_dir = model_dir
         self.hf_config = load_hf_config(model_dir)
         self.model = build_gpt_model(self.hf_config)
