@@ -15,6 +15,7 @@ from megatron_gigpo.config import ConfigError, load_config
 pytestmark = pytest.mark.unit
 
 ALF_7B = Path(__file__).resolve().parents[2] / "recipes/alfworld/qwen2.5-7b-instruct.yaml"  # TP4
+ALF_30B_A3B = ALF_7B.with_name("qwen3-30b-a3b.yaml")  # EP8
 
 
 def test_expert_ranks_that_do_not_divide_the_actor_ranks_are_refused():
@@ -39,6 +40,8 @@ def test_actor_config_checks_the_expert_layout_against_the_world():
 
 
 def test_expert_parallelism_is_accepted_in_recipes():
-    """The weight sync and the converters gather experts over the expert-parallel ranks, so recipes may set EP."""
-    cfg = load_config(ALF_7B, ["parallel.expert_tensor_parallel_size=1", "parallel.expert_model_parallel_size=2"])
-    assert cfg.parallel.expert_model_parallel_size == 2 and cfg.parallel.expert_tensor_parallel == 1
+    """The weight sync and the converters gather experts over the expert-parallel ranks, so a MoE recipe may set EP."""
+    cfg = load_config(ALF_30B_A3B, [])
+    assert cfg.parallel.expert_model_parallel_size == 8 and cfg.parallel.expert_tensor_parallel == 1
+    cfg = load_config(ALF_30B_A3B, ["parallel.expert_model_parallel_size=2"])
+    assert cfg.parallel.expert_model_parallel_size == 2
