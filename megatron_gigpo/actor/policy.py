@@ -377,7 +377,8 @@ class PolicyActor:
             ``(metrics, old_log_probs)`` in both modes. ``metrics``: ``actor/<metric>`` means over the
             optimizer steps of this call (``loss``, ``entropy``, ``kl_loss``, ``grad_norm``, ``update_skipped``
             and the policy loss's own metrics: ``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``
-            for ``vanilla``, ``nll`` for ``nll``), ``actor/lr`` of the last step and
+            for ``vanilla``, ``nll`` for ``nll``; ``moe_aux_loss``, the load-balancing loss of a MoE policy with
+            ``moe_aux_loss_coeff > 0``: :mod:`.moe_metrics`), ``actor/lr`` of the last step and
             ``actor/num_optimizer_steps``. ``old_log_probs``: the behaviour log-probs the loss used, per row
             float32 (R_i,) (the format of :meth:`compute_log_probs`): the given tensors themselves (in a new
             list) when ``old_log_probs`` was given; on-policy, the policy's log-probs before the step, on the

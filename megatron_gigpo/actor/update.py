@@ -23,11 +23,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import unwrap_model
 from torch.nn.utils.rnn import pad_sequence
 
 from megatron_gigpo.actor.batching import MicroBatch
 from megatron_gigpo.algo.config import AlgorithmConfig
 from megatron_gigpo.actor.logprob import HeadSettings, forward_step_func, response_log_probs
+from megatron_gigpo.actor.moe_metrics import moe_aux_loss_metrics
 from megatron_gigpo.algo.losses import compute_actor_loss
 from megatron_gigpo.algo.rollout_correction import correction_weights
 from megatron_gigpo.algo.scatter import scatter_advantages_padded
@@ -228,7 +230,9 @@ def train_mini_batch(
     Returns:
         ``(metrics, log_probs)``. ``metrics``: ``{"loss", "entropy", "kl_loss", "grad_norm", "lr",
         "update_skipped"}`` plus the policy loss's metrics (``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``,
-        ``ppo_kl`` for ``vanilla``; ``nll`` for ``nll``) as floats, identical on every rank (mini-batch means).
+        ``ppo_kl`` for ``vanilla``; ``nll`` for ``nll``) as floats, identical on every rank (mini-batch means);
+        with a mixture-of-experts policy and ``moe_aux_loss_coeff > 0`` also ``moe_aux_loss``
+        (:func:`~megatron_gigpo.actor.moe_metrics.moe_aux_loss_metrics`).
         ``log_probs``: on-policy (``rows.old_log_probs is None``) and on the last pipeline stage, per micro-batch
         of this rank, float32 (N_mb,) CPU response log-probs computed before the step, rows in micro-batch
         order; otherwise (and for a stand-in plan) an empty list.
@@ -254,6 +258,7 @@ def train_mini_batch(
         )
     outputs = list(outputs) if parallel_state.is_pipeline_last_stage() else []
     metrics = _reduce_metrics(outputs, device)
+    metrics.update(moe_aux_loss_metrics(unwrap_model(model_chunks[0]).config, len(plan.micro_batches)))
     log_probs = [out["log_probs"] for out in outputs if "log_probs" in out]
     update_successful, grad_norm, _ = optimizer.step()
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")

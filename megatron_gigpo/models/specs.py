@@ -63,6 +63,8 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "Qwen/Qwen3-14B": _qwen3(5120, 17408, 40, 40, False),
     "Qwen/Qwen3-32B": _qwen3(5120, 25600, 64, 64, False),
     "Qwen/Qwen3-30B-A3B": _QWEN3_30B_A3B,
+    # config-only base of model.init: random (models.builtin): Qwen3-30B-A3B's shape, SmolLM2's tokenizer
+    "builtin:qwen3-moe-base": {**_QWEN3_30B_A3B, "vocab_size": _SMOLLM2_135M["vocab_size"]},
 }
 
 

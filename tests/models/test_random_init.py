@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -123,3 +124,26 @@ def test_random_qwen3_moe_has_per_expert_weights_of_the_new_shape(tmp_path, monk
     dense = make_tiny_hf_model(tmp_path, "qwen3", tie=True, vocab_size=600, num_hidden_layers=1)
     with pytest.raises(ValueError, match=r"model.architecture.num_experts=8 needs a mixture-of-experts base"):
         random_model_dir(str(dense), ArchitectureConfig(num_experts=8), seed=1)
+
+
+def test_builtin_qwen3_moe_base_is_offline_and_random_only():
+    """builtin:qwen3-moe-base: Qwen3-30B-A3B's architecture over SmolLM2's tokenizer, no weights; a random model over
+    it is a Qwen3-MoE with the recipe's experts; ``model.init: pretrained`` over it is refused by the preflight."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from megatron_gigpo.cluster.preflight import _check_model
+    from megatron_gigpo.config import load_config
+    from megatron_gigpo.models.builtin import resolve_model_path
+
+    base = resolve_model_path("builtin:qwen3-moe-base")
+    assert not list(base.glob("*.safetensors"))
+    hf = json.loads((base / "config.json").read_text())
+    assert hf["model_type"] == "qwen3_moe" and hf["num_experts"] == 128 and hf["vocab_size"] == len(
+        AutoTokenizer.from_pretrained(base))
+    shape = ArchitectureConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, vocab_size=4096,
+                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    config = AutoConfig.from_pretrained(random_model_dir("builtin:qwen3-moe-base", shape, seed=1))
+    assert (config.model_type, config.num_experts, config.num_experts_per_tok, config.head_dim) == ("qwen3_moe", 4, 2, 32)
+    recipe = Path(__file__).resolve().parents[2] / "recipes/smoke/qwen3-moe-cpu.yaml"
+    assert _check_model(load_config(recipe)) == []
+    assert "model.init: random only" in _check_model(load_config(recipe, ["model.init=pretrained"]))[0]
