@@ -39,8 +39,6 @@ def test_two_iterations_log_the_aux_loss_validate_and_checkpoint(run):
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["iter_00000002"]
 
 
-@pytest.mark.xfail(strict=True, reason="after the first update + sync the engine's log-probs differ from the actor's "
-                   "(max 0.064, mean 0.018 on this recipe at EP2, EP1 and one rank alike; aux loss on or off): open")
 def test_engine_equals_actor_after_update_and_sync(run):
     second = read_metrics(run)[1]
     assert second["rollout/actor_logprob_diff_max"] < 1e-3, second
