@@ -282,7 +282,8 @@ def _expert_errors(cfg: Config) -> list[str]:
     """Expert parallelism against the policy's experts (its config.json, or :data:`KNOWN_MODELS`;
     ``model.architecture.num_experts`` for ``init: random``): EP must divide the expert count (each EP rank holds
     num_experts / EP experts of every layer), a dense model takes no EP, and megatron-core's MoE layer trains
-    with TP > 1 only under sequence parallelism. An unknown model is not checked here (the shape check reports it)."""
+    with TP > 1 only under sequence parallelism; LoRA (dense layers only) is refused. An unknown model is not
+    checked here (the shape check reports it)."""
     p, m = cfg.parallel, cfg.model
     ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
     try:
@@ -298,6 +299,9 @@ def _expert_errors(cfg: Config) -> list[str]:
     errors = []
     if experts % ep:
         errors.append(f"parallel.expert_model_parallel_size={ep} must divide the model's {experts} experts per layer")
+    if m.lora.enabled:  # actor/lora.py adapts dense linear layers; expert layers are megatron-core's grouped MLPs
+        errors.append(f"model.lora.enabled=true with a mixture-of-experts model ('{m.path}', {experts} experts per "
+                      "layer): LoRA adapters on routed experts are not supported; set model.lora.enabled=false")
     if tp > 1 and not p.sequence_parallel:
         errors.append(f"parallel.tensor_model_parallel_size={tp} with a mixture-of-experts model needs "
                       f"parallel.sequence_parallel=true (megatron-core's MoE layer trains with TP only under it)")

@@ -45,3 +45,10 @@ def test_expert_parallelism_is_accepted_in_recipes():
     assert cfg.parallel.expert_model_parallel_size == 8 and cfg.parallel.expert_tensor_parallel == 1
     cfg = load_config(ALF_30B_A3B, ["parallel.expert_model_parallel_size=2"])
     assert cfg.parallel.expert_model_parallel_size == 2
+
+
+def test_lora_on_a_mixture_of_experts_model_is_refused():
+    """actor/lora.py adapts dense linear layers only: a MoE recipe with LoRA is refused before any process starts,
+    naming the key."""
+    with pytest.raises(ConfigError, match=re.escape("model.lora.enabled=true with a mixture-of-experts model")):
+        load_config(ALF_30B_A3B, ["model.lora.enabled=true"])
