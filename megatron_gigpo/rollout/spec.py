@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from megatron_gigpo.rollout.errors import WeightSyncError
 from megatron_gigpo.rollout.transport import dtype_from_name
 
-__all__ = ["WeightSpec", "read_checkpoint_spec"]
+__all__ = ["WeightSpec", "checkpoint_num_experts", "read_checkpoint_spec"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +92,11 @@ def read_checkpoint_spec(model_dir: str | Path, dtype: str) -> WeightSpec:
         optional["lm_head.weight"] = shapes["model.embed_tokens.weight"]
     dtype_from_name(dtype)
     return WeightSpec(shapes=shapes, optional=optional, dtype=dtype)
+
+
+def checkpoint_num_experts(model_dir: str | Path) -> int:
+    """Routed experts per layer of the checkpoint's config.json (:func:`megatron_gigpo.models.specs.moe_shape`;
+    0 for a dense model)."""
+    from megatron_gigpo.models.specs import moe_shape
+
+    return moe_shape(json.loads((Path(model_dir) / "config.json").read_text()))[0]

