@@ -19,9 +19,10 @@ from multiproc import spawn
 from tiny_models import make_tiny_hf_model
 
 # name -> (TP, PP, DistributedOptimizer, MoE model with its settings): the MoE run is a tiny Qwen3-MoE at EP2 (two
-# experts per rank; one row per micro-batch, as in test_actor_layouts)
+# experts per rank; one row per micro-batch, as in test_actor_layouts) with the distributed optimizer over its
+# expert-data-parallel group
 RUNS = {"tp2": (2, 1, False, None), "dp2_distopt": (1, 1, True, None),
-        "moe_ep2": (1, 1, False, dict(expert_model_parallel_size=2, micro_batch_tokens=1,
+        "moe_ep2": (1, 1, True, dict(expert_model_parallel_size=2, micro_batch_tokens=1,
                                       log_prob_micro_batch_tokens=1))}
 TRAINER_STATE = {"iteration": 1, "data_position": 8, "sampler": {"epoch": 0}}
 
