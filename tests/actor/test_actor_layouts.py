@@ -328,3 +328,27 @@ def test_sequence_packing_matches_padding_on_gpu(model_dir, hf_reference):
     run = spawn(_packed_vs_padded, 1, model_dir, timeout=900)[0]
     assert _max_diff(run["packed"], run["padded"]) < 1e-4
     assert _max_diff(run["packed"], hf_reference[0]) < 1e-3  # TE kernels (TF32 / flash) on the GPU
+
+
+def _moe_on_gpu(rank: int, world_size: int, moe_dir) -> dict:
+    start_rank()
+    return _run_layout(moe_dir, 1, 1, False, extra=False, rows=MOE_ROWS)
+
+
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+def test_qwen3_moe_on_gpu_takes_megatron_cores_grouped_gemm_path(moe_dir):
+    """The GPU path as megatron-core intends it (Transformer-Engine grouped GEMM experts behind the all-to-all
+    dispatcher, chosen by models/builder.py when TE is usable): log-probs within TF32 noise of transformers', and
+    the first update lowers the loss. Runs only on a lent device (``scripts/device_check.sh``)."""
+    pytest.importorskip("transformer_engine")
+    from transformers import AutoConfig
+
+    from megatron_gigpo.models.builder import moe_settings
+
+    settings = moe_settings(AutoConfig.from_pretrained(moe_dir), expert_model_parallel_size=1)
+    assert settings["moe_grouped_gemm"] and settings["moe_token_dispatcher_type"] == "alltoall", settings
+    run = spawn(_moe_on_gpu, 1, moe_dir, timeout=900)[0]
+    hf_lp, _ = hf_log_probs_and_entropy(moe_dir, make_batch(MOE_ROWS))
+    assert _max_diff(run["log_probs"], hf_lp) < 1e-3  # TE kernels (TF32) on the GPU
+    assert run["second"]["actor/loss"] < run["first"]["actor/loss"]

