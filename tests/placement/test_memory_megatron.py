@@ -16,6 +16,25 @@ from megatron_gigpo.cluster.memory import optimizer_bytes_per_param, rank_parame
 pytestmark = pytest.mark.multiprocess
 
 
+
+def _step_with_zero_gradients(actor) -> list:
+    """One optimizer step on zero gradients, so that Adam allocates its moments; returns the inner optimizers."""
+    import torch
+
+    inner = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+    for opt in inner:
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        opt.optimizer.step()
+    return inner
+
+
+def _moment_bytes(inner: list) -> int:
+    """Bytes of Adam's ``exp_avg`` and ``exp_avg_sq`` over the inner optimizers."""
+    return sum(t.numel() * t.element_size() for opt in inner for st in opt.optimizer.state.values()
+               for k, t in st.items() if k in ("exp_avg", "exp_avg_sq"))
+
 def _megatron_rank(rank: int, world_size: int, model_dir: Path) -> list[dict]:
     """Real Megatron ranks (DP2, then PP2): parameter count, gradient buffer and Adam state bytes per rank."""
     import torch
@@ -33,12 +52,7 @@ def _megatron_rank(rank: int, world_size: int, model_dir: Path) -> list[dict]:
                                    use_distributed_optimizer=distributed_optimizer, use_kl_loss=False)
         actor = PolicyActor(config)
         module = actor.model_chunks[0].module
-        inner = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
-        for opt in inner:  # zero gradients, one step: Adam allocates its moments
-            for group in opt.optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = torch.zeros_like(p)
-            opt.optimizer.step()
+        inner = _step_with_zero_gradients(actor)
         model_storage = {p.untyped_storage().data_ptr() for p in module.parameters()}
         model_storage |= {b.param_data.untyped_storage().data_ptr() for b in actor.model_chunks[0].buffers
                           if b.param_data is not None}
@@ -49,8 +63,7 @@ def _megatron_rank(rank: int, world_size: int, model_dir: Path) -> list[dict]:
             "params": sum(p.numel() for p in module.parameters()),
             "bf16_params": sum(p.numel() for p in module.parameters() if p.dtype == torch.bfloat16),
             "grad_buffer": sum(b.grad_data.numel() * b.grad_data.element_size() for b in actor.model_chunks[0].buffers),
-            "moments": sum(t.numel() * t.element_size() for opt in inner for st in opt.optimizer.state.values()
-                           for k, t in st.items() if k in ("exp_avg", "exp_avg_sq")),
+            "moments": _moment_bytes(inner),
             "master_copy": sum(p.numel() * p.element_size() for p in masters
                                if p.untyped_storage().data_ptr() not in model_storage),
         })
@@ -105,16 +118,10 @@ def _moe_rank(rank: int, world_size: int, model_dir: Path) -> list[dict]:
                                    use_distributed_optimizer=True, use_kl_loss=False)
         actor = PolicyActor(config)
         module = actor.model_chunks[0].module
-        inner = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
-        for opt in inner:  # zero gradients, one step: Adam allocates its moments
-            for group in opt.optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = torch.zeros_like(p)
-            opt.optimizer.step()
+        inner = _step_with_zero_gradients(actor)
         expert = sum(p.numel() for name, p in module.named_parameters() if ".mlp.experts." in name)
         out.append({"ep": ep, "expert": expert, "dense": sum(p.numel() for p in module.parameters()) - expert,
-                    "moments": sum(t.numel() * t.element_size() for opt in inner for st in opt.optimizer.state.values()
-                                   for k, t in st.items() if k in ("exp_avg", "exp_avg_sq"))})
+                    "moments": _moment_bytes(inner)})
         del actor
         distributed.destroy()
     return out
