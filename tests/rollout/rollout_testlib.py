@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any, Iterator
+
 import torch
 
 from megatron_gigpo.config import RolloutConfig
@@ -17,6 +20,20 @@ ENGINE_KWARGS = dict(
     env_vars={"VLLM_LOGGING_LEVEL": "WARNING"},
     distributed_executor_backend="uni",
 )
+
+
+@contextlib.contextmanager
+def launched_engine(ray_session, config) -> Iterator[Any]:
+    """A started ``RolloutEngine`` actor of ``config`` (an ``EngineConfig``), shut down and killed on exit."""
+    from megatron_gigpo.rollout.engine import RolloutEngine
+
+    handle = RolloutEngine.launch(config)
+    try:
+        ray_session.get(handle.ready.remote())
+        yield handle
+    finally:
+        ray_session.get(handle.shutdown.remote())
+        ray_session.kill(handle)
 
 
 def random_prompts(n: int, seed: int = 0, vocab: int = 500) -> list[list[int]]:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_gigpo.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
+from megatron_gigpo.rollout.engine import EngineConfig, SamplingConfig
 from megatron_gigpo.rollout.weight_sync import sync_weights
-from rollout_testlib import ENGINE_KWARGS, random_prompts
+from rollout_testlib import ENGINE_KWARGS, launched_engine, random_prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -26,13 +26,9 @@ LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0}
 
 @pytest.fixture(scope="module")
 def engine(ray_session, tiny_qwen3_dir):
-    handle = RolloutEngine.launch(EngineConfig(model_path=str(tiny_qwen3_dir), dtype="float32", **ENGINE_KWARGS))
-    try:
-        ray_session.get(handle.ready.remote())
+    with launched_engine(ray_session, EngineConfig(model_path=str(tiny_qwen3_dir), dtype="float32",
+                                                   **ENGINE_KWARGS)) as handle:
         yield handle
-    finally:
-        ray_session.get(handle.shutdown.remote())
-        ray_session.kill(handle)
 
 
 @pytest.fixture(scope="module")

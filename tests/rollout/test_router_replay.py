@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from megatron_gigpo.episodes.batch import TrainingBatch
-from megatron_gigpo.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
-from rollout_testlib import ENGINE_KWARGS, random_prompts
+from megatron_gigpo.rollout.engine import EngineConfig, SamplingConfig
+from rollout_testlib import ENGINE_KWARGS, launched_engine, random_prompts
 from tiny_models import make_tiny_hf_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow]
@@ -34,15 +34,11 @@ def moe_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def rollout(ray_session, moe_dir) -> TrainingBatch:
     """Eight sampled responses of up to 24 tokens, with the engine's log-probs and routed experts."""
-    handle = RolloutEngine.launch(EngineConfig(model_path=str(moe_dir), dtype=DTYPE, return_routed_experts=True,
-                                               **ENGINE_KWARGS))
-    try:
+    config = EngineConfig(model_path=str(moe_dir), dtype=DTYPE, return_routed_experts=True, **ENGINE_KWARGS)
+    with launched_engine(ray_session, config) as handle:
         prompts = random_prompts(8, seed=3, vocab=500)
         sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=24, seed=11)
         results = ray_session.get(handle.generate.remote(prompts, sampling))
-    finally:
-        ray_session.get(handle.shutdown.remote())
-        ray_session.kill(handle)
     n = len(prompts)
     return TrainingBatch(
         prompt_ids=[torch.tensor(p) for p in prompts],
