@@ -495,6 +495,7 @@ def _build_collector(cfg: Config, tokenizer, engines):
         e.name, env_kwargs(e), tokenizer, engines, group_size=r.n, num_groups=e.num_groups,
         max_steps=e.max_steps, sampling=sampling, num_workers=e.num_workers, seed=e.seed, num_cpus_per_worker=0.01,
         prompt_overflow=r.prompt_overflow, **step_prompt_settings(cfg), env_call_timeout_s=cfg.trainer.timeouts.env_call_s,
+        env_step_latency_s=e.step_latency_s,
     )
 
 

@@ -189,6 +189,7 @@ class EpisodeCollector:
         env_call_timeout_s: deadline in seconds of one environment reset or step (the recipe's
             ``trainer.timeouts.env_call_s``; None: its default); a late call ends that episode as failed, like a
             crash, and the collection goes on (see :mod:`megatron_gigpo.episodes.workers`).
+        env_step_latency_s: seconds each environment worker's step call waits (recipe ``env.step_latency_s``).
         env_factory: picklable zero-argument callable building one environment, replacing the registry
             (custom environments); when given, ``env_kwargs`` must be empty.
         prompt_style: the template style of ``env_name`` (recipe ``env.prompt_template``; one of
@@ -223,6 +224,7 @@ class EpisodeCollector:
         seed: int,
         num_cpus_per_worker: float = 1.0,
         env_call_timeout_s: float | None = None,
+        env_step_latency_s: float = 0.0,
         env_factory: EnvFactory | None = None,
         prompt_style: str = DEFAULT_PROMPT_STYLE,
         prompt_template: PromptTemplate | None = None,
@@ -258,7 +260,8 @@ class EpisodeCollector:
 
             env_call_timeout_s = TimeoutsConfig().env_call_s
         self.pool = EnvWorkerPool(
-            factory, num_workers, num_cpus_per_worker=num_cpus_per_worker, call_timeout_s=env_call_timeout_s
+            factory, num_workers, num_cpus_per_worker=num_cpus_per_worker, call_timeout_s=env_call_timeout_s,
+            step_latency_s=env_step_latency_s,
         )
 
     @staticmethod
