@@ -181,6 +181,8 @@ class PlacementPlan:
             not use, at the end of a disaggregated layout, have none and get no group).
         ranks: one slot per actor rank (index = rank).
         engines: one placement per engine.
+        max_staleness: ``rollout.asynchronous.max_staleness`` when asynchronous rollout is on (the engines
+            generate while the actor trains; a group is at most this many policy versions old), 0: synchronous.
     """
 
     cluster: ClusterShape
@@ -189,6 +191,7 @@ class PlacementPlan:
     bundles: tuple[tuple[dict[str, float], ...], ...]
     ranks: tuple[Slot, ...]
     engines: tuple[EnginePlacement, ...]
+    max_staleness: int = 0
 
     @property
     def total_gpus(self) -> int:
@@ -320,7 +323,8 @@ def _build_plan(cfg: RecipeLayout, cluster: ClusterShape) -> PlacementPlan:
         bundles.pop()
     frozen = tuple(tuple({k: round(v, 6) for k, v in b.items()} for b in node) for node in bundles)
     backend = weight_transfer_backend(r.weight_sync_mode, cluster.device)
-    return PlacementPlan(cluster, colocated, backend, frozen, tuple(ranks), tuple(engines))
+    staleness = r.asynchronous.max_staleness if r.asynchronous.enabled else 0
+    return PlacementPlan(cluster, colocated, backend, frozen, tuple(ranks), tuple(engines), staleness)
 
 
 def _gpu_engines(cfg: RecipeLayout, cluster: ClusterShape, world: int, colocated: bool, take) -> list[EnginePlacement]:
@@ -486,6 +490,11 @@ def format_plan(plan: PlacementPlan) -> str:
             text = ", ".join(f"{k} {v:g}" for k, v in sorted(res.items()))
             lines.append(f"{n:>4} {b:>6} {b if gpu else '-':>4}  {text:<22} " + "; ".join(members.get((n, b), [])))
     mode = "colocated" if plan.colocated else "disaggregated"
+    rollout = []
+    if plan.max_staleness:
+        mode += f", asynchronous k={plan.max_staleness}"
+        rollout = [f"rollout: asynchronous, groups at most {_count(plan.max_staleness, 'version')} old; engines "
+                   "generate while the actor trains"]
     tp = plan.engines[0].tp if plan.engines else 1
     ranks = _count(len(plan.ranks), "actor rank")
     engines = _count(len(plan.engines), "engine")
@@ -495,7 +504,7 @@ def format_plan(plan: PlacementPlan) -> str:
                  f"{engines} x TP{tp} ({mode})")
     else:
         total = f"total: 0 GPUs (device cpu) on {len(plan.bundles)} node(s); {ranks}, {engines} ({mode})"
-    return "\n".join(lines + format_weight_sync(plan) + [total])
+    return "\n".join(lines + format_weight_sync(plan) + rollout + [total])
 
 
 # --------------------------------------------------------------------------------------------- Ray

@@ -19,6 +19,7 @@ from megatron_gigpo.episodes.templates import prompt_templates
 from megatron_gigpo.fields import ConfigError, field_errors, is_auto, leaf_fields
 from megatron_gigpo.models.config import LORA_TARGETS, ArchitectureConfig, ModelConfig
 from megatron_gigpo.models.specs import KNOWN_MODELS, hf_config_for, moe_shape
+from megatron_gigpo.rollout.config import async_errors
 from megatron_gigpo.sft.config import SFTConfig
 
 log = logging.getLogger(__name__)
@@ -207,6 +208,7 @@ def validate_config(cfg: Config, source: str = "config") -> None:
         errors.append(f"algorithm.dynamic_sampling.enabled=true needs a group-relative estimator "
                       f"({', '.join(group_relative)}), got algorithm.adv_estimator={a.adv_estimator!r}")
     errors += off_policy_errors(a, t.old_log_probs, r.top_p, r.top_k)
+    errors += async_errors(r, t, a)
     if cfg.model.init == "random":
         errors += _architecture_errors(cfg.model.architecture)
     errors += _revision_errors(cfg.model)

@@ -23,8 +23,6 @@ the trajectories, steps and token counts.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -52,6 +50,7 @@ from megatron_gigpo.episodes.prompts import (
     StepPromptState,
     step_prompt_renderer,
 )
+from megatron_gigpo.episodes.seeds import reset_seed, step_sampling  # re-exported: the collector's seeds
 from megatron_gigpo.episodes.workers import EnvFactory, EnvOutcome, EnvWorkerPool, registry_env_factory
 
 if TYPE_CHECKING:
@@ -67,43 +66,6 @@ class GroupResetMismatchError(RuntimeError):
 class RolloutStopped(Exception):
     """:meth:`EpisodeCollector.collect` gave up its episodes because its ``stop`` callable said so (a stop
     signal, :mod:`megatron_gigpo.run.preemption`): between two environment steps, no call in flight."""
-
-
-def reset_seed(
-    base_seed: int, task: Task, group_index: int, iteration: int, validation: bool, round_index: int = 0
-) -> int:
-    """The environment seed of a group, shared by all its members; in ``[0, 2**31)``.
-
-    Training seeds depend on ``(base_seed, iteration, round_index, group_index, task_id)`` (``round_index``:
-    the generation round of dynamic sampling; round 0 keeps the key it had before rounds existed); validation
-    seeds only on ``(base_seed, task_id)``, so a validation task starts from the same state in every
-    evaluation, whatever the batch it is in and however many workers run it. A stable hash (SHA-256), not
-    Python's salted ``hash``.
-    """
-    if validation:
-        key = f"val/{base_seed}/{task.task_id}"
-    else:
-        rnd = f"r{round_index}/" if round_index else ""
-        key = f"train/{base_seed}/{iteration}/{rnd}{group_index}/{task.task_id}"
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little") & 0x7FFFFFFF
-
-
-def step_sampling(
-    sampling: SamplingConfig, iteration: int, step: int, validation: bool, round_index: int = 0
-) -> SamplingConfig:
-    """The sampling config of one step's ``generate`` call.
-
-    The engines seed prompt ``i`` of a call with ``seed + i``; a fixed seed would replay the same random
-    draws at every step and iteration. This derives the call's seed from ``(seed, iteration, round_index,
-    step, split)`` with a stable hash (round 0 keeps its pre-rounds key), so sampling stays reproducible (a
-    resumed run regenerates the same episodes) while differing between steps, rounds and iterations. Greedy or
-    unseeded configs are returned unchanged.
-    """
-    if sampling.seed is None or sampling.temperature == 0:
-        return sampling
-    rnd = f"r{round_index}/" if round_index else ""
-    key = f"{'val' if validation else 'train'}/{sampling.seed}/{iteration}/{rnd}{step}"
-    return dataclasses.replace(sampling, seed=int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little") >> 2)
 
 
 @dataclass
@@ -227,6 +189,7 @@ class EpisodeCollector:
         env_call_timeout_s: deadline in seconds of one environment reset or step (the recipe's
             ``trainer.timeouts.env_call_s``; None: its default); a late call ends that episode as failed, like a
             crash, and the collection goes on (see :mod:`megatron_gigpo.episodes.workers`).
+        env_step_latency_s: seconds each environment worker's step call waits (recipe ``env.step_latency_s``).
         env_factory: picklable zero-argument callable building one environment, replacing the registry
             (custom environments); when given, ``env_kwargs`` must be empty.
         prompt_style: the template style of ``env_name`` (recipe ``env.prompt_template``; one of
@@ -261,6 +224,7 @@ class EpisodeCollector:
         seed: int,
         num_cpus_per_worker: float = 1.0,
         env_call_timeout_s: float | None = None,
+        env_step_latency_s: float = 0.0,
         env_factory: EnvFactory | None = None,
         prompt_style: str = DEFAULT_PROMPT_STYLE,
         prompt_template: PromptTemplate | None = None,
@@ -296,7 +260,8 @@ class EpisodeCollector:
 
             env_call_timeout_s = TimeoutsConfig().env_call_s
         self.pool = EnvWorkerPool(
-            factory, num_workers, num_cpus_per_worker=num_cpus_per_worker, call_timeout_s=env_call_timeout_s
+            factory, num_workers, num_cpus_per_worker=num_cpus_per_worker, call_timeout_s=env_call_timeout_s,
+            step_latency_s=env_step_latency_s,
         )
 
     @staticmethod

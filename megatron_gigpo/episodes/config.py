@@ -31,3 +31,6 @@ class EpisodeConfig:
     num_workers: int = num(4, ge=1)
     seed: int = num(0, ge=0, le=MAX_SEED)
     data_dir: str | None = None
+    # seconds each environment step call waits before returning (every worker at once, no core used): simulates a
+    # remote environment or tool server, e.g. to measure asynchronous rollout (megatron_gigpo.episodes.workers)
+    step_latency_s: float = num(0.0, ge=0)

@@ -117,14 +117,18 @@ class EnvWorker:
         worker_index: position of this worker in its pool (for error messages).
         call_timeout_s: deadline of one environment call (building + reset, prepare_steps, step) in seconds;
             a late call ends its slot's episode as failed. None: the recipe's default ``trainer.timeouts.env_call_s``.
+        step_latency_s: seconds each :meth:`step` call sleeps before returning (recipe ``env.step_latency_s``;
+            a simulated remote environment). Not part of any environment call's deadline.
     """
 
-    def __init__(self, env_factory: EnvFactory, worker_index: int, call_timeout_s: float | None = None) -> None:
+    def __init__(self, env_factory: EnvFactory, worker_index: int, call_timeout_s: float | None = None,
+                 step_latency_s: float = 0.0) -> None:
         from megatron_gigpo.run.config import TimeoutsConfig
 
         self._factory = env_factory
         self._index = worker_index
         self._timeout = TimeoutsConfig().env_call_s if call_timeout_s is None else call_timeout_s
+        self._step_latency = step_latency_s
         self._envs: dict[int, Environment] = {}
         self._admissible: dict[int, list[str] | None] = {}
         self._prepare_failed: set[type[Environment]] = set()
@@ -181,7 +185,8 @@ class EnvWorker:
         """For each ``(slot, response_text)``: project the response to an action and step the environment.
 
         All projections come first, then each environment class's :meth:`Environment.prepare_steps` sees
-        its slots' actions at once (to batch shared work such as retrieval), then the slots step in order.
+        its slots' actions at once (to batch shared work such as retrieval), then the slots step in order; then the
+        call waits ``step_latency_s``.
         """
         outcomes: list[EnvOutcome | None] = [None] * len(requests)
         projected: dict[int, ProjectedAction] = {}
@@ -210,6 +215,8 @@ class EnvWorker:
             except Exception:  # noqa: BLE001 - reported per slot, the episode ends as failed
                 self._drop(slot)
                 outcomes[i] = EnvOutcome(result=None, error=_describe(self._index, slot, "step"))
+        if self._step_latency > 0:  # once per call: the pool's workers wait in parallel
+            time.sleep(self._step_latency)
         return outcomes  # type: ignore[return-value] - every entry was set above
 
     def _prepare_steps(self, pending: list[tuple[int, str]]) -> None:
@@ -257,7 +264,9 @@ class EnvWorkerPool:
         num_cpus_per_worker: Ray CPU resource reserved per worker actor (> 0; fractions allowed).
         call_timeout_s: deadline in seconds of one environment call (a slot's reset or step): a late call ends
             that episode as failed. A worker that does not answer within ``call_timeout_s`` per slot of the call
-            plus ``WORKER_GRACE_S`` is killed and the episodes of all its slots fail.
+            plus ``WORKER_GRACE_S`` (and ``step_latency_s`` for a step) is killed and the episodes of all its slots
+            fail.
+        step_latency_s: seconds each worker's step call waits before returning (:class:`EnvWorker`; >= 0).
 
     Requires an initialised Ray (``ray.init``). Call :meth:`close` to stop the actors.
     """
@@ -271,6 +280,7 @@ class EnvWorkerPool:
         *,
         num_cpus_per_worker: float,
         call_timeout_s: float,
+        step_latency_s: float = 0.0,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -278,9 +288,12 @@ class EnvWorkerPool:
             raise ValueError(f"num_cpus_per_worker must be > 0, got {num_cpus_per_worker}")
         if call_timeout_s is None or not 0 < call_timeout_s < float("inf"):
             raise ValueError(f"call_timeout_s must be a positive, finite number of seconds, got {call_timeout_s}")
+        if not 0 <= step_latency_s < float("inf"):
+            raise ValueError(f"step_latency_s must be a finite number of seconds >= 0, got {step_latency_s}")
         self._factory = env_factory
         self._actor_cls = ray.remote(EnvWorker).options(num_cpus=num_cpus_per_worker, max_restarts=0)
         self._timeout = call_timeout_s
+        self._step_latency = step_latency_s
         self._num_workers = num_workers
         self._workers: list[Any] = [self._spawn(i) for i in range(num_workers)]
         self._alive = [True] * num_workers
@@ -304,7 +317,7 @@ class EnvWorkerPool:
         return self._workers[worker]
 
     def _spawn(self, worker: int) -> Any:
-        return self._actor_cls.remote(self._factory, worker, self._timeout)
+        return self._actor_cls.remote(self._factory, worker, self._timeout, self._step_latency)
 
     def _replace_dead_workers(self) -> None:
         if self._closed:
@@ -348,19 +361,20 @@ class EnvWorkerPool:
             else:
                 for index, _ in items:
                     outcomes[index] = EnvOutcome(None, error=f"worker {w} is dead", worker_died=True)
-        outcomes.update(self._gather(calls, {w: [i for i, _ in by_worker[w]] for w in calls}))
+        outcomes.update(self._gather(calls, {w: [i for i, _ in by_worker[w]] for w in calls}, self._step_latency))
         return outcomes
 
-    def _gather(self, calls: dict[int, Any], indices: dict[int, list[int]]) -> dict[int, EnvOutcome]:
+    def _gather(self, calls: dict[int, Any], indices: dict[int, list[int]],
+                extra_s: float = 0.0) -> dict[int, EnvOutcome]:
         """Collect per-worker results; a dead or unresponsive worker turns into failures of its envs.
 
         A worker's own per-call deadlines bound its answer to ``call_timeout_s`` per slot (plus one batched
-        ``prepare_steps``); past that and ``WORKER_GRACE_S`` it is killed.
+        ``prepare_steps``) plus ``extra_s`` (a step's latency); past that and ``WORKER_GRACE_S`` it is killed.
         """
         start = time.monotonic()
         outcomes: dict[int, EnvOutcome] = {}
         for w, ref in calls.items():
-            limit = self._timeout * (len(indices[w]) + 1) + self.WORKER_GRACE_S
+            limit = self._timeout * (len(indices[w]) + 1) + self.WORKER_GRACE_S + extra_s
             try:
                 results = ray.get(ref, timeout=max(0.0, start + limit - time.monotonic()))
             except (RayActorError, GetTimeoutError) as exc:

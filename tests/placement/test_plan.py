@@ -155,6 +155,25 @@ def test_plan_summary_counts_in_the_singular(capsys):
     assert main(["validate", str(RECIPES / "cpu/sokoban.yaml"), "--plan"]) == 0
     assert "1 actor rank, 1 engine (colocated)" in capsys.readouterr().out
 
+
+def test_validate_plan_prints_asynchronous_rollout(capsys):
+    """``rollout.asynchronous`` (docs/async-rollout-design.md D9): one line naming the staleness bound, and the total
+    says it; a synchronous plan has neither. The CPU recipe's rollout_correction.mode=none is refused with it
+    (rollout.config.async_errors), so the override sets tis."""
+    recipe, on = RECIPES / "cpu/sokoban.yaml", ["rollout.weight_sync_mode=disaggregated",
+                                                "rollout.asynchronous.enabled=true", "algorithm.rollout_correction.mode=tis"]
+    assert main(["validate", str(recipe), *on, "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout: asynchronous, groups at most 1 version old; engines generate while the actor trains\n" in out
+    assert "1 actor rank, 1 engine (disaggregated, asynchronous k=1)\n" in out
+    assert plan_placement(load_config(recipe, on + ["rollout.asynchronous.max_staleness=2"])).max_staleness == 2
+    assert "groups at most 2 versions old" in format_plan(plan_placement(load_config(
+        recipe, on + ["rollout.asynchronous.max_staleness=2"])))
+    assert main(["validate", str(recipe), on[0], "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "asynchronous" not in out and "1 actor rank, 1 engine (disaggregated)\n" in out
+    assert plan_placement(load_config(recipe, on[:1])).max_staleness == 0
+
 @pytest.mark.parametrize(
     "recipe, overrides, message",
     [
