@@ -41,8 +41,10 @@ log = logging.getLogger(__name__)
 DEFAULT_GAPS = {"float32": 2e-4, "bfloat16": 5e-2}
 #: Rows per engine the alarm forward-passes when the iteration has no recomputed old log-probs.
 PROBE_ROWS_PER_ENGINE = 8
-#: Response tokens of a probe generation (asynchronous rollout): enough to compare log-probs, cheap to generate.
-PROBE_MAX_TOKENS = 16
+#: Most response tokens of a probe generation (asynchronous rollout). The design's 16 covered only the CPU recipe's
+#: ``<think></think><action>`` scaffolding (~16 tokens that every policy version writes with probability ~1; the
+#: probe's gap was exactly 0.0 in the e2e run), not the action words after it; 64 reach them and stay cheap.
+PROBE_MAX_TOKENS = 64
 
 
 class StaleEngineError(RuntimeError):
