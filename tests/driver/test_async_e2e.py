@@ -19,6 +19,7 @@ Two runs (the design's shrink rule: one run of the main recipe killed and resume
   groups one version behind corrected by TIS, and the probe's ``rollout/actor_logprob_diff_max < 1e-3``).
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -80,7 +81,8 @@ def _kill_at_step(cmd: list[str], run: Path, step: int) -> None:
                 pytest.fail(f"step {step} not logged within {TIMEOUT_S} s")
             time.sleep(0.2)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # the run may have ended by itself
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
         proc.stderr.close()
 
