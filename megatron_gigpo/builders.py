@@ -228,6 +228,7 @@ class RunContext(StartedStack):
         self.saved_iteration = 0  # the newest checkpoint's iteration (0: none)
         self.task_cursor = 0  # position in the training task stream (epoch_order) of the next group
         self.weights_version = 0  # the policy version the engines were last synced to (0: the start weights)
+        self.producer = None  # rollout.asynchronous: the RolloutProducer (megatron_gigpo.run.async_rollout)
         self.progress = self.bar = None
         self._stack = contextlib.ExitStack()
 
@@ -276,10 +277,32 @@ class RunContext(StartedStack):
                 self._start_progress()
             if cfg.trainer.val_before_train and self.start_iteration == 0 and cfg.trainer.val_every > 0:
                 self.log(self.validate(0), 0)
+            if cfg.rollout.asynchronous.enabled:
+                self._start_producer()
 
     def _start_engines(self, model_dir: Path, *, wait: bool = True) -> None:
         self.engines = _build_engines(self.cfg, model_dir, self.plan, self.placement_groups, wait=wait)
         self._stack.callback(self.engines.shutdown)
+
+    def _start_producer(self) -> None:
+        """The asynchronous rollout's producer thread (:mod:`megatron_gigpo.run.async_rollout`), from the resumed
+        iteration and consumed task cursor; stopped before the collector closes."""
+        from megatron_gigpo.run.async_rollout import RolloutProducer
+        from megatron_gigpo.run.preemption import requested
+
+        cfg, k = self.cfg, self.cfg.rollout.asynchronous.max_staleness
+        t, ds = cfg.trainer.timeouts, cfg.algorithm.dynamic_sampling
+        round_s = (cfg.env.max_steps + 1) * (t.generate_s + t.env_call_s + cfg.env.step_latency_s)
+        self.producer = RolloutProducer(
+            self._collect_item, start_iteration=self.start_iteration, task_cursor=self.task_cursor, max_staleness=k,
+            end_iteration=cfg.trainer.total_iterations, round_timeout_s=round_s,
+            item_timeout_s=round_s * (ds.max_rounds if ds.enabled else 1), stop=requested)
+        self._stack.callback(self.producer.stop)
+        if self.start_iteration > 0:
+            first, last = self.start_iteration + 1, min(self.start_iteration + k + 1, cfg.trainer.total_iterations)
+            log.warning("asynchronous rollout: the batches of iteration(s) %s that the earlier attempt may have "
+                        "collected are collected again from task cursor %d by policy version %d",
+                        first if first == last else f"{first}..{last}", self.task_cursor, self.start_iteration)
 
     def _start_progress(self) -> None:
         self.progress, self.bar = start_progress(self._stack, "GiGPO", self.cfg.trainer.total_iterations,
@@ -304,13 +327,17 @@ class RunContext(StartedStack):
         return PhaseTimer(self.progress, self.bar)
 
     def next_train_tasks(self) -> list:
-        """The next ``env.num_groups`` tasks of the run's seeded task stream (:func:`epoch_order` from
+        """The next ``env.num_groups`` tasks of the run's seeded task stream (:meth:`train_tasks` at
         ``task_cursor``, which advances past them). Without dynamic sampling iteration ``i`` gets positions
         ``i * num_groups ...``; each extra generation round takes the next ones. The cursor is saved in every
         checkpoint, so a resumed run draws the same tasks as an uninterrupted one."""
-        n = self.cfg.env.num_groups
-        idx = epoch_order(len(self.train_task_list), self.cfg.trainer.seed, self.task_cursor, n)
-        self.task_cursor += n
+        tasks = self.train_tasks(self.task_cursor)
+        self.task_cursor += len(tasks)
+        return tasks
+
+    def train_tasks(self, cursor: int) -> list:
+        """``env.num_groups`` tasks of the seeded task stream from position ``cursor`` (:func:`epoch_order`)."""
+        idx = epoch_order(len(self.train_task_list), self.cfg.trainer.seed, cursor, self.cfg.env.num_groups)
         return [self.train_task_list[i] for i in idx]
 
     def collect_train_batch(self, iteration: int) -> tuple[Any, dict[str, float]] | None:
@@ -319,24 +346,23 @@ class RunContext(StartedStack):
         (:func:`megatron_gigpo.episodes.dynamic_sampling.collect_informative`).
 
         None when a stop signal (:mod:`megatron_gigpo.run.preemption`) came during the rollout: its episodes are
-        abandoned at their next step and the task cursor goes back, so a resumed run draws the same tasks."""
+        abandoned at their next step and the task cursor goes back, so a resumed run draws the same tasks.
+
+        Asynchronous rollout: the producer's item of ``iteration`` (:meth:`RolloutProducer.take
+        <megatron_gigpo.run.async_rollout.RolloutProducer.take>`), its groups checked
+        (:func:`~megatron_gigpo.run.async_rollout.check_groups`); the consumed cursor becomes ``task_cursor``."""
         from megatron_gigpo.episodes.collector import RolloutStopped
         from megatron_gigpo.run.preemption import requested
 
-        ds, cursor = self.cfg.algorithm.dynamic_sampling, self.task_cursor
+        if self.producer is not None:
+            return self._take_item(iteration)
+        cursor = self.task_cursor
 
         def one_round(k: int = 0):
             return self.collector.collect(self.next_train_tasks(), iteration, round_index=k, stop=requested)
 
         try:
-            if not ds.enabled:
-                collected = one_round()
-            else:
-                from megatron_gigpo.episodes.dynamic_sampling import collect_informative
-
-                collected = collect_informative(one_round, num_groups=self.cfg.env.num_groups, criterion=ds.criterion,
-                                                max_rounds=ds.max_rounds, estimator=self.cfg.algorithm.adv_estimator,
-                                                params=self.cfg.algorithm, iteration=iteration + 1)
+            collected = self._rounds(one_round, iteration)
         except RolloutStopped:  # stopped between two steps; otherwise the signal came during the last one
             collected = None
         if requested() is None:
@@ -345,6 +371,60 @@ class RunContext(StartedStack):
         log.warning("%s during the rollout of iteration %d: its episodes are abandoned (the resumed run collects "
                     "them again)", requested(), iteration + 1)
         return None
+
+    def _rounds(self, one_round, iteration: int):
+        """One round, or with dynamic sampling those :func:`~megatron_gigpo.episodes.dynamic_sampling.
+        collect_informative` runs: ``(batch, metrics)`` of 0-based ``iteration``."""
+        ds = self.cfg.algorithm.dynamic_sampling
+        if not ds.enabled:
+            return one_round()
+        from megatron_gigpo.episodes.dynamic_sampling import collect_informative
+
+        return collect_informative(one_round, num_groups=self.cfg.env.num_groups, criterion=ds.criterion,
+                                   max_rounds=ds.max_rounds, estimator=self.cfg.algorithm.adv_estimator,
+                                   params=self.cfg.algorithm, iteration=iteration + 1)
+
+    def _collect_item(self, iteration: int, cursor: int, producer) -> tuple[Any, dict[str, float], int]:
+        """The producer thread's item of ``iteration`` from task position ``cursor``: each round inside the gate."""
+        def one_round(k: int = 0):
+            nonlocal cursor
+            with producer.gate():
+                tasks, cursor = self.train_tasks(cursor), cursor + self.cfg.env.num_groups
+                return self.collector.collect(tasks, iteration, round_index=k, stop=producer.stopped)
+
+        batch, metrics = self._rounds(one_round, iteration)
+        return batch, metrics, cursor
+
+    def _take_item(self, iteration: int) -> tuple[Any, dict[str, float]] | None:
+        from megatron_gigpo.run.async_rollout import check_groups
+        from megatron_gigpo.run.preemption import requested
+
+        item = self.producer.take(iteration)
+        if item is None:
+            log.warning("%s before the batch of iteration %d was collected (the resumed run collects it again)",
+                        requested(), iteration + 1)
+            return None
+        self.task_cursor = item.cursor_after  # the consumed cursor: what a checkpoint saves
+        metrics = check_groups(item.batch, iteration, self.cfg.rollout.asynchronous.max_staleness)
+        return item.batch, item.metrics | metrics | {"async/task_cursor": float(item.cursor_after)}
+
+    @contextlib.contextmanager
+    def engines_paused(self) -> Iterator[None]:
+        """Asynchronous rollout: the producer's :meth:`~megatron_gigpo.run.async_rollout.RolloutProducer.pause`
+        (the round in flight ends first, none starts inside), then the engines' version published; a null
+        context otherwise."""
+        if self.producer is None:
+            yield
+            return
+        with self.producer.pause():
+            yield
+            self.producer.publish(self.weights_version)
+
+    def probe_engines(self, batch) -> dict[str, float]:
+        """:func:`megatron_gigpo.run.batch_checks.engine_probe` of ``batch`` on the engines' new version."""
+        from megatron_gigpo.run.batch_checks import engine_probe
+
+        return engine_probe(self.cfg, self.actors, self.engines, self.collector.sampling, batch, self.weights_version)
 
     def sync_weights(self, version: int) -> dict[str, float]:
         from megatron_gigpo.rollout.weight_sync import sync_weights
@@ -363,7 +443,8 @@ class RunContext(StartedStack):
         """:func:`megatron_gigpo.run.batch_checks.engine_check` against the engines' last synced version."""
         from megatron_gigpo.run.batch_checks import engine_check
 
-        return engine_check(self.cfg, self.actors, batch, self.weights_version, actor_log_probs)
+        return engine_check(self.cfg, self.actors, batch, self.weights_version, actor_log_probs,
+                            lagged=self.producer is not None)
 
     def _due(self, iteration: int, every: int) -> bool:
         """Every ``every`` iterations (0: never), and at the last iteration."""
@@ -393,7 +474,9 @@ class RunContext(StartedStack):
         return self._due(iteration, self.cfg.checkpoint.save_every)
 
     def save_checkpoint(self, iteration: int) -> None:
-        state = {"iteration": iteration, "task_cursor": self.task_cursor}
+        state = {"iteration": iteration, "task_cursor": self.task_cursor}  # the consumed cursor (async too)
+        if self.producer is not None:
+            state["async"] = {"max_staleness": self.cfg.rollout.asynchronous.max_staleness}
         self.actors.save_checkpoint(str(self.ckpt_root), iteration, state,
                                     keep_last=self.cfg.checkpoint.keep_last)
         self.saved_iteration = iteration
@@ -439,6 +522,8 @@ class RunContext(StartedStack):
     def log(self, metrics: dict[str, Any], iteration: int) -> None:
         from megatron_gigpo.run.metrics import console_line
 
+        if self.producer is not None:
+            metrics = metrics | self.producer.wait_metrics()
         self.logger.log(metrics, iteration)
         line = console_line(metrics, iteration, self.cfg.trainer.total_iterations, self.cfg.env.name)
         if self.progress is None:

@@ -6,6 +6,11 @@ them itself, or with ``trainer.old_log_probs: rollout``, which takes the engines
 advantages (GiGPO registry) -> clipped updates -> resharding of the new weights into the
 engines -> periodic validation and checkpoint. Construction of the parts lives in
 :mod:`megatron_gigpo.builders`; this file only orders them.
+
+With ``rollout.asynchronous.enabled`` the rollout is a producer thread (:mod:`megatron_gigpo.run.async_rollout`)
+that collects the next iterations' batches, at most ``max_staleness`` policy versions behind, while the actor
+trains: the collection step takes its item, the engines never sleep, and the sync, a probe of the engines on
+the new version (the stale-engine alarm) and validation run inside ``run.engines_paused()``.
 """
 
 from __future__ import annotations
@@ -68,11 +73,12 @@ def _iteration(run, it: int) -> dict[str, float] | None:
                     "sampling); no update", it + 1, int(metrics["episode/failed"]),
                     round(metrics.get("dynamic_sampling/filtered_group_frac", 0.0)
                           * cfg.env.num_groups * metrics.get("dynamic_sampling/rounds", 0.0)))
-        metrics |= _validate_and_save(run, timer, it + 1)
+        metrics |= _sync_validate_save(run, timer, it, None)
         metrics |= timer.metrics(num_tokens=0)
         run.log(metrics, it + 1)
         return metrics
-    run.engines.sleep()  # GPU: free the KV cache while the actor computes (no-op on CPU)
+    if run.producer is None:  # asynchronous rollout: the engines generate the next batches meanwhile
+        run.engines.sleep()  # GPU: free the KV cache while the actor computes (no-op on CPU)
     old_log_probs = None  # on-policy (one optimizer step): the update computes them itself, as verl does
     recompute = cfg.trainer.old_log_probs == "recompute"
     if not recompute:  # the PPO ratio's denominator is the engines' sampling log-probs: no pass
@@ -94,23 +100,32 @@ def _iteration(run, it: int) -> dict[str, float] | None:
     if cfg.trainer.update_effect_metrics:
         with timer("update_effect"):
             metrics |= run.update_effect(batch, adv.advantage, old_log_probs)
-    with timer("resharding"):
-        metrics |= run.sync_weights(version=it + 1)
-    run.engines.wake_up()
-    metrics |= _validate_and_save(run, timer, it + 1)
+    metrics |= _sync_validate_save(run, timer, it, batch)
     metrics |= run.advantage_metrics(adv)
     metrics |= timer.metrics(num_tokens=run.num_tokens(batch))
     run.log(metrics, it + 1)
     return metrics
 
 
-def _validate_and_save(run, timer, iteration: int) -> dict[str, float]:
-    """Validation and checkpoint of 1-based ``iteration`` when ``trainer.val_every`` / ``checkpoint.save_every``
-    say so; returns the validation metrics."""
-    metrics: dict[str, float] = {}
-    if run.should_validate(iteration):
-        with timer("validation"):
-            metrics |= run.validate(iteration)
+def _sync_validate_save(run, timer, it: int, batch) -> dict[str, float]:
+    """The end of iteration ``it``: weight sync to version ``it + 1`` when it trained on ``batch`` (under
+    asynchronous rollout always, so that policy versions count iterations), then the engines' wake-up, or under
+    asynchronous rollout the post-sync probe of the stale-engine alarm, and validation when ``trainer.val_every``
+    says so, all inside ``run.engines_paused()`` (no rollout round runs there); then the checkpoint when
+    ``checkpoint.save_every`` says so. Returns the sync, probe and validation metrics."""
+    iteration, metrics = it + 1, {}
+    with run.engines_paused():
+        if batch is not None or run.producer is not None:
+            with timer("resharding"):
+                metrics |= run.sync_weights(version=iteration)
+        if run.producer is None and batch is not None:
+            run.engines.wake_up()
+        elif batch is not None:
+            with timer("engine_probe"):
+                metrics |= run.probe_engines(batch)
+        if run.should_validate(iteration):
+            with timer("validation"):
+                metrics |= run.validate(iteration)
     if run.should_save(iteration):
         with timer("checkpoint"):
             run.save_checkpoint(iteration)

@@ -1,14 +1,16 @@
 """Checks of one training batch around the update, read by the driver through
 :class:`~megatron_gigpo.builders.RunContext`: the engines' log-probs against the actor's before the update
-(:func:`engine_check`, :func:`rollout_actor_gap`, the stale-engine alarm of :mod:`.stale_engine`) and how the
-update moved the batch's own log-probs (:func:`update_effect`)."""
+(:func:`engine_check`, :func:`rollout_actor_gap`, the stale-engine alarm of :mod:`.stale_engine`; under
+asynchronous rollout :func:`engine_probe` after the sync) and how the update moved the batch's own log-probs
+(:func:`update_effect`)."""
 
 from __future__ import annotations
 
-__all__ = ["engine_check", "rollout_actor_gap", "update_effect"]
+__all__ = ["engine_check", "engine_probe", "rollout_actor_gap", "update_effect"]
 
 
-def engine_check(cfg, actors, batch, weights_version: int, actor_log_probs=None) -> dict[str, float]:
+def engine_check(cfg, actors, batch, weights_version: int, actor_log_probs=None, *, lagged: bool = False
+                 ) -> dict[str, float]:
     """The engines' log-probs of ``batch`` against the actor's, before the update: the gap and mismatch metrics
     (:func:`rollout_actor_gap`, :func:`~megatron_gigpo.algo.rollout_correction.mismatch_metrics`) and the
     stale-engine alarm (:mod:`megatron_gigpo.run.stale_engine`).
@@ -22,6 +24,9 @@ def engine_check(cfg, actors, batch, weights_version: int, actor_log_probs=None)
         actor_log_probs: the actor's log-probs of every row (the recomputed old log-probs), or None: then the
             actor computes those of a probe of each engine's first rows (:func:`~megatron_gigpo.run.
             stale_engine.probe_rows`, one small forward pass).
+        lagged: the batch was sampled by older policy versions (asynchronous rollout): only the mismatch metrics,
+            which then measure behaviour against proximal policy (mismatch plus policy lag); the engines are
+            checked after the sync instead (:func:`engine_probe`).
     Raises:
         StaleEngineError: an engine's gap is above ``trainer.stale_engine_gap`` (without top-k / top-p).
     """
@@ -36,16 +41,51 @@ def engine_check(cfg, actors, batch, weights_version: int, actor_log_probs=None)
         actor_log_probs = actors.compute_log_probs(batch.select(rows))
     engine_lp = [batch.rollout_log_probs[i] for i in rows]
     rc = cfg.algorithm.rollout_correction
-    metrics = rollout_actor_gap(batch.select(rows), actor_log_probs)
-    metrics |= mismatch_metrics(actor_log_probs, engine_lp, mode=rc.mode, level=rc.level, low=rc.low, high=rc.high)
-    if stale_engine.armed(cfg.rollout.top_p, cfg.rollout.top_k):
-        versions: dict[int, set[int]] = {}
-        for i in rows:
-            versions.setdefault(int(engine_of[i]), set()).add(int(versions_of[i]))
-        threshold = stale_engine.gap_threshold(cfg.trainer.stale_engine_gap, cfg.model.params_dtype(cfg.trainer.device))
-        stale_engine.check_engines(stale_engine.engine_gaps(engine_lp, actor_log_probs, [engine_of[i] for i in rows]),
-                                   versions, weights_version, threshold)
+    metrics = mismatch_metrics(actor_log_probs, engine_lp, mode=rc.mode, level=rc.level, low=rc.low, high=rc.high)
+    if lagged:
+        return metrics
+    metrics |= rollout_actor_gap(batch.select(rows), actor_log_probs)
+    _alarm(cfg, engine_lp, actor_log_probs, [engine_of[i] for i in rows], [versions_of[i] for i in rows],
+           weights_version)
     return metrics
+
+
+def engine_probe(cfg, actors, engines, sampling, batch, weights_version: int) -> dict[str, float]:
+    """Asynchronous rollout, right after the sync to ``weights_version`` (docs/async-rollout-design.md D6): the
+    prompts of ``batch``'s probe rows (:func:`~megatron_gigpo.run.stale_engine.probe_rows`) generated again by
+    the engines (:func:`~megatron_gigpo.run.stale_engine.probe_sampling` of the training ``sampling``), scored by
+    the actor (at the same version), then :func:`rollout_actor_gap` and the stale-engine alarm on those.
+
+    Returns:
+        ``rollout/actor_logprob_diff_max`` and ``_mean`` of the probe.
+    Raises:
+        StaleEngineError: an engine's gap is above ``trainer.stale_engine_gap`` (without top-k / top-p).
+    """
+    from megatron_gigpo.run import stale_engine
+
+    rows = stale_engine.probe_rows(batch.extras.get("engine", [0] * batch.num_rows))
+    results = engines.generate([batch.prompt_ids[i].tolist() for i in rows],
+                               stale_engine.probe_sampling(sampling, cfg.trainer.seed))
+    probe = stale_engine.probe_batch(batch, rows, results)
+    actor_log_probs = actors.compute_log_probs(probe)
+    _alarm(cfg, probe.rollout_log_probs, actor_log_probs, probe.extras["engine"], probe.extras["weight_version"],
+           weights_version)
+    return rollout_actor_gap(probe, actor_log_probs)
+
+
+def _alarm(cfg, engine_lp, actor_lp, engine_of, versions_of, weights_version: int) -> None:
+    """The stale-engine alarm on rows of per-row engine indices ``engine_of`` and weight versions ``versions_of``
+    (armed without top-k / top-p only)."""
+    from megatron_gigpo.run import stale_engine
+
+    if not stale_engine.armed(cfg.rollout.top_p, cfg.rollout.top_k):
+        return
+    versions: dict[int, set[int]] = {}
+    for e, v in zip(engine_of, versions_of, strict=True):
+        versions.setdefault(int(e), set()).add(int(v))
+    threshold = stale_engine.gap_threshold(cfg.trainer.stale_engine_gap, cfg.model.params_dtype(cfg.trainer.device))
+    stale_engine.check_engines(stale_engine.engine_gaps(engine_lp, actor_lp, engine_of), versions, weights_version,
+                               threshold)
 
 
 def rollout_actor_gap(batch, actor_log_probs) -> dict[str, float]:

@@ -9,17 +9,28 @@ The gap of an engine is the mean over its rows' response tokens of ``|log pi_eng
 top-k / top-p truncation the two are the same distribution up to kernels and dtype; with truncation the engine's
 distribution is renormalised over the kept tokens and the gap measures the truncation, so the alarm is not armed
 then (:func:`armed`).
+
+Asynchronous rollout (docs/async-rollout-design.md, D6) trains on groups sampled by older versions, so the batch
+cannot be compared with the actor. There the check runs on a *probe* instead, right after each sync: the prompts
+of the batch's :func:`probe_rows` are generated again by the engines on the new version (:func:`probe_sampling`:
+the training sampling, at most :data:`PROBE_MAX_TOKENS` tokens, a fixed seed), and the actor, at the same version,
+scores those responses (:func:`probe_batch`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-__all__ = ["DEFAULT_GAPS", "StaleEngineError", "armed", "gap_threshold", "probe_rows", "engine_gaps",
-           "check_engines"]
+if TYPE_CHECKING:
+    from megatron_gigpo.episodes.batch import TrainingBatch
+    from megatron_gigpo.rollout.sampling import GenerationResult, SamplingConfig
+
+__all__ = ["DEFAULT_GAPS", "StaleEngineError", "armed", "gap_threshold", "probe_rows", "probe_sampling", "probe_batch",
+           "engine_gaps", "check_engines"]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +41,8 @@ log = logging.getLogger(__name__)
 DEFAULT_GAPS = {"float32": 2e-4, "bfloat16": 5e-2}
 #: Rows per engine the alarm forward-passes when the iteration has no recomputed old log-probs.
 PROBE_ROWS_PER_ENGINE = 8
+#: Response tokens of a probe generation (asynchronous rollout): enough to compare log-probs, cheap to generate.
+PROBE_MAX_TOKENS = 16
 
 
 class StaleEngineError(RuntimeError):
@@ -64,6 +77,34 @@ def probe_rows(engine_of_row: Sequence[int], per_engine: int = PROBE_ROWS_PER_EN
             seen[e] = seen.get(e, 0) + 1
             out.append(i)
     return out
+
+
+def probe_sampling(sampling: SamplingConfig, seed: int) -> SamplingConfig:
+    """The sampling of a probe generation: the training ``sampling`` (its temperature, top-p, top-k and stop
+    strings: what the actor's log-probs assume) with ``max_tokens`` at most :data:`PROBE_MAX_TOKENS` and the
+    fixed ``seed`` (the run's, ``trainer.seed``)."""
+    return dataclasses.replace(sampling, max_tokens=min(PROBE_MAX_TOKENS, sampling.max_tokens), seed=seed,
+                               logprobs=True)
+
+
+def probe_batch(batch: TrainingBatch, rows: Sequence[int], results: Sequence[GenerationResult]) -> TrainingBatch:
+    """The rows ``rows`` of ``batch`` with their responses replaced by the probe's ``results`` (one per row, in
+    order): response ids int64 (R_i,), the engine's log-probs float32 (R_i,), and per-row ``engine`` and
+    ``weight_version`` extras from the results. What the actor scores to compare with the engines.
+
+    Raises:
+        ValueError: not one result per row.
+    """
+    if len(rows) != len(results):
+        raise ValueError(f"probe_batch: {len(results)} probe results for {len(rows)} rows")
+    probe = batch.select(list(rows))
+    extras = dict(probe.extras)
+    extras.pop("routed_experts", None)  # the batch's own routing, not the probe's
+    extras["engine"] = [r.engine for r in results]
+    extras["weight_version"] = [r.weight_version for r in results]
+    return dataclasses.replace(
+        probe, response_ids=[torch.tensor(r.response_ids, dtype=torch.int64) for r in results],
+        rollout_log_probs=[torch.tensor(r.log_probs, dtype=torch.float32) for r in results], extras=extras)
 
 
 def engine_gaps(rollout_log_probs: Sequence[torch.Tensor], actor_log_probs: Sequence[torch.Tensor],
