@@ -69,11 +69,11 @@ def engine_probe(cfg, actors, engines, sampling, batch, weights_version: int) ->
     probe = stale_engine.probe_batch(batch, rows, results)
     actor_log_probs = actors.compute_log_probs(probe)
     _alarm(cfg, probe.rollout_log_probs, actor_log_probs, probe.extras["engine"], probe.extras["weight_version"],
-           weights_version)
+           weights_version, probe=True)
     return rollout_actor_gap(probe, actor_log_probs)
 
 
-def _alarm(cfg, engine_lp, actor_lp, engine_of, versions_of, weights_version: int) -> None:
+def _alarm(cfg, engine_lp, actor_lp, engine_of, versions_of, weights_version: int, *, probe: bool = False) -> None:
     """The stale-engine alarm on rows of per-row engine indices ``engine_of`` and weight versions ``versions_of``
     (armed without top-k / top-p only)."""
     from megatron_gigpo.run import stale_engine
@@ -85,7 +85,7 @@ def _alarm(cfg, engine_lp, actor_lp, engine_of, versions_of, weights_version: in
         versions.setdefault(int(e), set()).add(int(v))
     threshold = stale_engine.gap_threshold(cfg.trainer.stale_engine_gap, cfg.model.params_dtype(cfg.trainer.device))
     stale_engine.check_engines(stale_engine.engine_gaps(engine_lp, actor_lp, engine_of), versions, weights_version,
-                               threshold)
+                               threshold, probe=probe)
 
 
 def rollout_actor_gap(batch, actor_log_probs) -> dict[str, float]:

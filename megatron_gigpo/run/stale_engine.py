@@ -127,7 +127,7 @@ def engine_gaps(rollout_log_probs: Sequence[torch.Tensor], actor_log_probs: Sequ
 
 
 def check_engines(gaps: dict[int, tuple[float, int]], versions: dict[int, set[int]], expected_version: int,
-                  threshold: float) -> None:
+                  threshold: float, *, probe: bool = False) -> None:
     """Stop the run when an engine's gap is above ``threshold``.
 
     Args:
@@ -135,6 +135,8 @@ def check_engines(gaps: dict[int, tuple[float, int]], versions: dict[int, set[in
         versions: per engine, the weight versions its rows report (vLLM's weight version of the sampled tokens).
         expected_version: the version the last sync pushed.
         threshold: ``trainer.stale_engine_gap`` (resolved, :func:`gap_threshold`).
+        probe: the gaps are the post-sync probe's (asynchronous rollout): the update that preceded the sync
+            was applied, the run stops before the next one.
     Raises:
         StaleEngineError: naming every engine past the threshold, the version it reports, the gap and the
             threshold.
@@ -147,4 +149,6 @@ def check_engines(gaps: dict[int, tuple[float, int]], versions: dict[int, set[in
              for e, gap, n in bad]
     raise StaleEngineError(f"stale rollout engine after the weight sync to version {expected_version}: "
                            f"{'; '.join(parts)} > trainer.stale_engine_gap={threshold:g}. The engine samples from "
-                           "other weights than the actor's (a sync that did not load); the update was not applied")
+                           "other weights than the actor's (a sync that did not load); "
+                           + ("found by the probe after the sync: the run stops before the next update" if probe
+                              else "the update was not applied"))

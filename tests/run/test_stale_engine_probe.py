@@ -6,7 +6,8 @@ import torch
 
 from megatron_gigpo.episodes.batch import TrainingBatch
 from megatron_gigpo.rollout.sampling import GenerationResult, SamplingConfig
-from megatron_gigpo.run.stale_engine import PROBE_MAX_TOKENS, engine_gaps, probe_batch, probe_rows, probe_sampling
+from megatron_gigpo.run.stale_engine import (PROBE_MAX_TOKENS, StaleEngineError, check_engines, engine_gaps, probe_batch,
+                                             probe_rows, probe_sampling)
 
 pytestmark = pytest.mark.unit
 
@@ -45,3 +46,12 @@ def test_probe_batch_holds_the_probe_responses_of_the_probe_rows():
     assert gaps.keys() == {0, 1} and all(abs(g - 0.01) < 1e-6 for g, _ in gaps.values())
     with pytest.raises(ValueError, match="3 probe results for 4 rows"):
         probe_batch(batch, rows, results[:3])
+
+
+def test_the_probe_alarm_says_the_update_was_applied():
+    gaps = {0: (0.004, 161)}
+    with pytest.raises(StaleEngineError, match="found by the probe after the sync: the run stops before the next "
+                                               "update"):
+        check_engines(gaps, {0: {0}}, 1, 2e-4, probe=True)
+    with pytest.raises(StaleEngineError, match="the update was not applied"):
+        check_engines(gaps, {0: {0}}, 1, 2e-4)
