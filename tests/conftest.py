@@ -15,23 +15,14 @@ import torch
 SHARED = Path(os.environ.get("MEGATRON_GIGPO_SHARED_DIR") or Path(__file__).resolve().parents[1].parent / "shared")
 
 
-# Session fixtures that take minutes (``small_cold_start`` in tests/driver/conftest.py: ~2): under pytest-xdist
-# every test that uses one runs on the same worker, so it is built once.
-COSTLY_SESSION_FIXTURES = ("small_cold_start",)
-
-
-def _xdist_group(item: pytest.Item) -> str:
-    shared = [name for name in COSTLY_SESSION_FIXTURES if name in item.fixturenames]
-    return shared[0] if shared else item.nodeid.split("::", 1)[0]
-
-
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (``--dist loadgroup``)
 def pytest_collection_modifyitems(config, items):
-    # One xdist group per test file (module- and session-scoped fixtures are built once per worker), or per
-    # costly session fixture; groups with a `slow` test first (stable otherwise), so that the
-    # two workers do not end on one long file each while the other waits (with --no-loadscope-reorder, xdist
-    # hands out groups in this order). Without xdist the marker does nothing.
-    group = {item.nodeid: _xdist_group(item) for item in items}
+    # One xdist group per test file (module-scoped fixtures are built once); groups with a `slow` test first
+    # (stable otherwise), so that the two workers do not end on one long file each while the other waits (with
+    # --no-loadscope-reorder, xdist hands out groups in this order). The costly session fixture
+    # (``small_cold_start``) is shared by the workers through a file lock (tests/driver/conftest.py), so the files
+    # that use it are spread over both. Without xdist the marker does nothing.
+    group = {item.nodeid: item.nodeid.split("::", 1)[0] for item in items}
     slow_groups = {group[item.nodeid] for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: group[item.nodeid] not in slow_groups)
     for item in items:

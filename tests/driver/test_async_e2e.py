@@ -14,7 +14,8 @@ Two runs (the design's shrink rule: one run of the main recipe killed and resume
   of one policy version each (``async/group_versions_max == 1``; a sync inside a round gives two), at most one
   behind, and some step on groups exactly one behind (else nothing ran asynchronously and this could not fail);
   the post-sync probe finds the engine's log-probs equal to the actor's; no stale-engine alarm (the run ended);
-- **learning** (``learning``): the learning test's recipe and 3 iterations, not killed:
+- **learning** (``learning``): the learning test's recipe and 2 iterations (one fewer than test_learning, for
+  CI's time), not killed, its first on groups of version 0, its second on groups one version behind:
   :func:`test_learning.check_update_effect` (the update moves the log-probs the way the advantages say, with
   groups one version behind corrected by TIS, and the probe's ``rollout/actor_logprob_diff_max < 1e-3``).
 """
@@ -43,7 +44,7 @@ ITERATIONS, NUM_GROUPS, KILL_AT_STEP = 4, 4, 2
 SMALL = (f"trainer.total_iterations={ITERATIONS}", f"env.num_groups={NUM_GROUPS}", "rollout.n=4", "env.max_steps=4",
          "trainer.ppo_mini_batch_size=8", "env.step_latency_s=1.0", "trainer.val_every=0",
          "trainer.val_before_train=false", "checkpoint.save_every=1", "checkpoint.keep_last=1")
-LEARNING = ("trainer.total_iterations=3", "trainer.val_every=3", "env.val_num_groups=8", "rollout.val_temperature=0.0",
+LEARNING = ("trainer.total_iterations=2", "trainer.val_every=2", "env.val_num_groups=8", "rollout.val_temperature=0.0",
             "checkpoint.save_every=0", "trainer.update_effect_metrics=true", "env.step_latency_s=0.2")
 TIMEOUT_S = 1500
 
@@ -122,6 +123,6 @@ def learning(small_cold_start, tmp_path_factory) -> list[dict]:
 
 
 def test_it_learns_with_groups_one_version_behind(learning):
-    assert [r["step"] for r in learning] == [0, 1, 2, 3]
-    assert max(r["async/staleness_max"] for r in learning[1:]) == 1
+    assert [r["step"] for r in learning] == [0, 1, 2]
+    assert [r["async/staleness_max"] for r in learning[1:]] == [0, 1]
     check_update_effect(learning)
