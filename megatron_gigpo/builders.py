@@ -553,9 +553,9 @@ def _shutdown_ray() -> None:
 def _build_engines(cfg: Config, model_dir: Path, plan, groups, *, wait: bool = True):
     """The vLLM engines, each started where ``plan`` puts it (:func:`megatron_gigpo.cluster.placement.engine_options`);
     ``wait=False`` returns while they start (:meth:`RolloutEngineGroup.wait_started
-    <megatron_gigpo.rollout.engine.RolloutEngineGroup.wait_started>`)."""
+    <megatron_gigpo.rollout.engine_group.RolloutEngineGroup.wait_started>`)."""
     from megatron_gigpo.cluster.placement import engine_options
-    from megatron_gigpo.rollout.engine import RolloutEngineGroup
+    from megatron_gigpo.rollout.engine_group import RolloutEngineGroup
 
     return RolloutEngineGroup(
         str(model_dir), cfg.rollout, dtype=cfg.model.params_dtype(cfg.trainer.device),

@@ -54,7 +54,8 @@ from megatron_gigpo.episodes.seeds import reset_seed, step_sampling  # re-export
 from megatron_gigpo.episodes.workers import EnvFactory, EnvOutcome, EnvWorkerPool, registry_env_factory
 
 if TYPE_CHECKING:
-    from megatron_gigpo.rollout.engine import GenerationResult, RolloutEngineGroup, SamplingConfig
+    from megatron_gigpo.rollout.engine import GenerationResult, SamplingConfig
+    from megatron_gigpo.rollout.engine_group import RolloutEngineGroup
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ class EpisodeCollector:
         env_kwargs: keyword arguments of ``make_env(env_name, **env_kwargs)``.
         tokenizer: Hugging Face tokenizer of the policy, with a chat template.
         engine_group: the rollout engines; ``generate(prompt_token_ids, sampling) -> list[GenerationResult]``
-            in prompt order (``megatron_gigpo.rollout.engine.RolloutEngineGroup``).
+            in prompt order (``megatron_gigpo.rollout.engine_group.RolloutEngineGroup``).
         group_size: N, rollouts per task (members of one group).
         num_groups: tasks per training batch; :meth:`collect` checks it for training calls.
         max_steps: step limit per episode (the environment may end episodes earlier).

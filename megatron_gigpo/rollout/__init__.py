@@ -1,8 +1,9 @@
 """vLLM rollout engines and in-memory weight resharding from the Megatron actor.
 
 - :mod:`~megatron_gigpo.rollout.engine`: ``RolloutEngine`` (a Ray actor hosting ``vllm.LLM``, the engine end of
-  vLLM's weight-transfer protocol), ``RolloutEngineGroup`` (data parallel); :mod:`~megatron_gigpo.rollout.sampling`:
-  ``SamplingConfig``, ``GenerationResult`` (re-exported by ``engine``).
+  vLLM's weight-transfer protocol); :mod:`~megatron_gigpo.rollout.engine_group`: ``RolloutEngineGroup`` (K engines,
+  data parallel); :mod:`~megatron_gigpo.rollout.sampling`: ``SamplingConfig``, ``GenerationResult`` (re-exported
+  by ``engine``).
 - :mod:`~megatron_gigpo.rollout.vllm_plugin`: our vLLM weight-transfer backends' names and their registration
   (vLLM plugin entry point); :mod:`~megatron_gigpo.rollout.transfer`: the backends.
 - :mod:`~megatron_gigpo.rollout.weight_sync`: ``sync_weights`` / ``push_weights`` with version and checksum.

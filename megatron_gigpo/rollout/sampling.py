@@ -88,7 +88,7 @@ class GenerationResult:
             routed every token the engine ran through the model to: uint8 (or uint16 past 256 experts) numpy
             (P + R - 1, layers, top-k), the prompt's tokens then the response's but the last (vLLM
             ``CompletionOutput.routed_experts``); None otherwise.
-        engine: index of the engine that sampled it in its :class:`~megatron_gigpo.rollout.engine.RolloutEngineGroup`
+        engine: index of the engine that sampled it in its :class:`~megatron_gigpo.rollout.engine_group.RolloutEngineGroup`
             (0 for a lone engine).
     """
 

@@ -148,7 +148,7 @@ def prepare_sync(engines: Any, *, version: int, bucket_size_bytes: int, timeout_
     """Build the :class:`SyncPlan` (asks every engine for its spec, worker count, node and backend).
 
     Args:
-        engines: a :class:`~megatron_gigpo.rollout.engine.RolloutEngineGroup` or a list of engine handles.
+        engines: a :class:`~megatron_gigpo.rollout.engine_group.RolloutEngineGroup` or a list of engine handles.
         version: new weights version (int > every engine's current version).
         bucket_size_bytes: export bucket size in bytes (>= 1).
         timeout_s: the sync's deadline in seconds (:attr:`SyncPlan.timeout_s`); also this call's.
@@ -198,7 +198,7 @@ def sync_weights(
             ``PolicyActor.<method>(plan)`` on every rank) or a list of Ray actor handles each with a
             ``<method>(plan)`` remote method. That method must call :func:`push_weights` with the rank's
             ``export_hf_weights(model, bucket_size_bytes=plan.bucket_size_bytes, dtype=plan.export_dtype)`` iterator.
-        engines: a :class:`~megatron_gigpo.rollout.engine.RolloutEngineGroup` or engine handles (their backend is the
+        engines: a :class:`~megatron_gigpo.rollout.engine_group.RolloutEngineGroup` or engine handles (their backend is the
             sync's).
         version, bucket_size_bytes: see :func:`prepare_sync`.
         timeout_s: deadline of the sync on the sender rank, seconds (the ranks' call gets ``DRIVER_GRACE_S`` more,

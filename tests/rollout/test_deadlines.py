@@ -79,7 +79,7 @@ def _actor_states(ray, class_name: str) -> list[str]:
 
 def test_engine_that_never_starts_is_a_clear_error_at_its_deadline(ray_session, tiny_qwen_dir):
     from megatron_gigpo.config import RolloutConfig, TimeoutsConfig
-    from megatron_gigpo.rollout.engine import RolloutEngineGroup
+    from megatron_gigpo.rollout.engine_group import RolloutEngineGroup
 
     ray = ray_session
     start = time.monotonic()

@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_gigpo.rollout.engine import RolloutEngineGroup, SamplingConfig
+from megatron_gigpo.rollout.engine import SamplingConfig
+from megatron_gigpo.rollout.engine_group import RolloutEngineGroup
 from megatron_gigpo.rollout.weight_sync import WeightSyncError, prepare_sync, weights_checksum
 from rollout_testlib import ENGINE_KWARGS, hf_log_probs, random_prompts, shm_chunk
 

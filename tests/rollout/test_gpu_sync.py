@@ -70,7 +70,7 @@ def plan_placement_env(backend: str) -> dict[str, str]:
 def gpu_sync(request, ray_session, tiny_qwen_dir):
     """``(group, rank)``: one engine of ``request.param`` and a trainer rank; IPC: both on GPU 0 (Ray GPU shares,
     as the colocated plan gives them), NCCL: one GPU each."""
-    from megatron_gigpo.rollout.engine import RolloutEngineGroup
+    from megatron_gigpo.rollout.engine_group import RolloutEngineGroup
 
     ipc = request.param == IPC_BACKEND
     if not ipc and torch.cuda.device_count() < 2:

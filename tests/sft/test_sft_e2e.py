@@ -75,7 +75,8 @@ def _hf_log_probs(hf_dir: Path, rows) -> list[torch.Tensor]:
 
 def _vllm_check(hf_dir: Path, rows):
     """vLLM (CPU) on the exported model: log-probs of the rows and greedy replies to their prompts."""
-    from megatron_gigpo.rollout.engine import RolloutEngineGroup, SamplingConfig
+    from megatron_gigpo.rollout.engine import SamplingConfig
+    from megatron_gigpo.rollout.engine_group import RolloutEngineGroup
 
     rollout = RolloutConfig(prompt_length=128, response_length=128, cpu_kvcache_space_gib=0.25)
     engines = RolloutEngineGroup(str(hf_dir), rollout, dtype="float32", num_cpus=0.5, seed=0,
