@@ -15,6 +15,9 @@
    ``gigpo_mean_norm``         GiGPO without the std division (``mode: mean_norm``)
    ``gigpo_no_step``           GiGPO with omega = 0: the paper's "w/o A^S" ablation (episode advantage only)
    ``grpo``                    GRPO (group-relative episode advantage, verl's estimator)
+   ``gigpo_rollout_logp``      GiGPO with the engines' sampling log-probs as the PPO ratio's denominator
+                               (``trainer.old_log_probs: rollout``, ``rollout_correction.mode: mis``): no
+                               old-log-prob pass; compared with ``gigpo`` (issue #41 item 2)
    ``gigpo_dynamic``           GiGPO with dynamic sampling (``algorithm.dynamic_sampling``: groups of equal
                                returns dropped, up to 4 generation rounds per iteration); it trains on as
                                many groups as the others but may play more episodes
@@ -31,7 +34,8 @@ Figure 7 view), writes ``<out>/learning.png`` (both curves) and ``<out>/step_gro
 ``<out>/summary.json``, and ends with ``gigpo_minus_grpo=<points>``: the final held-out success of GiGPO minus
 that of GRPO, in percentage points (mean over seeds). Runs that wrote per-episode validation records
 (``<run>/validation/step_<N>.jsonl``) also get 95% intervals at the last iteration: a bootstrap over seeds and
-held-out tasks, paired on tasks and seeds (:func:`paired_bootstrap`), for each method and its difference to GRPO. It is a benchmark, not a test. Measured on a 2-core
+held-out tasks, paired on tasks and seeds (:func:`paired_bootstrap`), for each method and its difference to GRPO
+(``gigpo_rollout_logp``: to ``gigpo``). It is a benchmark, not a test. Measured on a 2-core
 machine (2026-12-05, a slow day: ~90 s per iteration of the main job's recipe, ~55 s per 512-room validation):
 the four methods at 3 seeds and 5 iterations took ~110 minutes for their 12 runs (6-11 minutes each) after a
 13-minute cold start; on a normal day of that machine (~45 s per iteration) about 70 minutes in all. An existing ``--out`` folder's cold start
@@ -149,7 +153,7 @@ def summarize(result: dict) -> float:
     intervals = _intervals(result, final)
     (out / "summary.json").write_text(json.dumps({"steps": steps, "table": _jsonable(table),
                                                   "train_table": _jsonable(train_table), "gigpo_minus_grpo": delta,
-                                                  "paired_bootstrap_vs_grpo": intervals}, indent=1))
+                                                  "paired_bootstrap": intervals}, indent=1))
     return delta
 
 
@@ -236,23 +240,31 @@ def _outcomes(out: Path, method: str, seeds: int, step: int) -> np.ndarray | Non
     return np.array(rows)
 
 
+# The method each one's difference is measured against (default: GRPO).
+REFERENCE = {"gigpo_rollout_logp": "gigpo"}
+
+
 def _intervals(result: dict, final: int) -> dict | None:
-    """The paired bootstrap of GiGPO against GRPO (and the other methods against GRPO) at step ``final``; printed."""
+    """The paired bootstrap of each method against its reference (:data:`REFERENCE`, default GRPO) at step
+    ``final``; printed. Keys ``<method>`` (against GRPO) or ``<method>_vs_<reference>``."""
     out, seeds = Path(result["out"]), len(result["curves"]["grpo"])
-    base = _outcomes(out, "grpo", seeds, final)
-    if base is None:
+    if _outcomes(out, "grpo", seeds, final) is None:
         print(f"\nno per-episode validation records at step {final} in every GRPO run: no interval (runs of "
               "megatron-gigpo before 2026-12-06 wrote none)")
         return None
-    print(f"\n95% intervals at iteration {final} (paired bootstrap over seeds and {base.shape[1]} held-out tasks)")
+    print(f"\n95% intervals at iteration {final} (paired bootstrap over {seeds} seed(s) and the held-out tasks)")
     found = {}
     for method in result["curves"]:
-        other = _outcomes(out, method, seeds, final) if method != "grpo" else None
-        if other is None:
+        reference = REFERENCE.get(method, "grpo")
+        if method == reference or reference not in result["curves"]:
             continue
-        found[method] = paired_bootstrap(other, base)
-        m, d = found[method]["a"], found[method]["a_minus_b"]
-        print(f"  {method:<16} {m[0]:.3f} [{m[1]:.3f}, {m[2]:.3f}]   minus grpo: {100 * d[0]:+.1f} points "
+        other, base = _outcomes(out, method, seeds, final), _outcomes(out, reference, seeds, final)
+        if other is None or base is None:
+            continue
+        key = method if reference == "grpo" else f"{method}_vs_{reference}"
+        found[key] = paired_bootstrap(other, base)
+        m, d = found[key]["a"], found[key]["a_minus_b"]
+        print(f"  {method:<18} {m[0]:.3f} [{m[1]:.3f}, {m[2]:.3f}]   minus {reference}: {100 * d[0]:+.1f} points "
               f"[{100 * d[1]:+.1f}, {100 * d[2]:+.1f}]")
     return found
 

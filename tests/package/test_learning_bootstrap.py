@@ -51,3 +51,18 @@ def test_outcomes_read_the_records_a_run_writes(tmp_path):
     # Tasks in id order, so that two methods' columns are the same tasks.
     assert script._outcomes(tmp_path, "grpo", 2, 20).tolist() == [[0.0, 1.0], [0.0, 0.0]]
     assert script._outcomes(tmp_path, "grpo", 3, 20) is None  # a run without records: no interval
+
+
+def test_each_method_is_compared_with_its_reference(tmp_path):
+    script = _script()
+    wins = {"grpo": [0, 0, 1, 0], "gigpo": [1, 0, 1, 0], "gigpo_rollout_logp": [1, 1, 1, 0]}
+    for method, outcome in wins.items():
+        episodes = [SimpleNamespace(task_id=f"t{k}", won=w, length=3, episode_return=1.0, failed=False)
+                    for k, w in enumerate(outcome)]
+        write_validation_episodes(tmp_path / f"{method}-seed1", 20, episodes)
+    result = {"out": str(tmp_path), "curves": {method: [{20: 0.0}] for method in wins}}
+    found = script._intervals(result, 20)
+    # GiGPO against GRPO; the rollout-log-prob arm against GiGPO (issue #41 item 2), not against GRPO.
+    assert set(found) == {"gigpo", "gigpo_rollout_logp_vs_gigpo"}
+    assert found["gigpo"]["a_minus_b"][0] == pytest.approx(0.25)
+    assert found["gigpo_rollout_logp_vs_gigpo"]["a_minus_b"][0] == pytest.approx(0.25)
