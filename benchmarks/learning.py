@@ -248,7 +248,8 @@ def _intervals(result: dict, final: int) -> dict | None:
     """The paired bootstrap of each method against its reference (:data:`REFERENCE`, default GRPO) at step
     ``final``; printed. Keys ``<method>`` (against GRPO) or ``<method>_vs_<reference>``."""
     out, seeds = Path(result["out"]), len(result["curves"]["grpo"])
-    if _outcomes(out, "grpo", seeds, final) is None:
+    outcomes = {method: _outcomes(out, method, seeds, final) for method in result["curves"]}  # read once each
+    if outcomes["grpo"] is None:
         print(f"\nno per-episode validation records at step {final} in every GRPO run: no interval (runs of "
               "megatron-gigpo before 2026-12-06 wrote none)")
         return None
@@ -256,9 +257,9 @@ def _intervals(result: dict, final: int) -> dict | None:
     found = {}
     for method in result["curves"]:
         reference = REFERENCE.get(method, "grpo")
-        if method == reference or reference not in result["curves"]:
+        if method == reference or reference not in outcomes:
             continue
-        other, base = _outcomes(out, method, seeds, final), _outcomes(out, reference, seeds, final)
+        other, base = outcomes[method], outcomes[reference]
         if other is None or base is None:
             continue
         key = method if reference == "grpo" else f"{method}_vs_{reference}"
