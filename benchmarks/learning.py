@@ -53,18 +53,17 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+# GiGPO as the paper runs it; the variants below change one thing each.
+_GIGPO = ["algorithm.adv_estimator=gigpo", "algorithm.mode=mean_std_norm", "algorithm.step_advantage_w=1.0"]
 METHODS: dict[str, list[str]] = {
-    "gigpo": ["algorithm.adv_estimator=gigpo", "algorithm.mode=mean_std_norm", "algorithm.step_advantage_w=1.0"],
+    "gigpo": _GIGPO,
     "gigpo_mean_norm": ["algorithm.adv_estimator=gigpo", "algorithm.mode=mean_norm", "algorithm.step_advantage_w=1.0"],
     "gigpo_no_step": ["algorithm.adv_estimator=gigpo", "algorithm.mode=mean_std_norm", "algorithm.step_advantage_w=0.0"],
     "grpo": ["algorithm.adv_estimator=grpo", "algorithm.mode=mean_std_norm"],
     # Issue #41 item 2: the PPO ratio's denominator from the engines' sampling log-probs, no recompute pass.
-    "gigpo_rollout_logp": ["algorithm.adv_estimator=gigpo", "algorithm.mode=mean_std_norm",
-                           "algorithm.step_advantage_w=1.0", "trainer.old_log_probs=rollout",
-                           "algorithm.rollout_correction.mode=mis"],
-    "gigpo_dynamic": ["algorithm.adv_estimator=gigpo", "algorithm.mode=mean_std_norm", "algorithm.step_advantage_w=1.0",
-                      "algorithm.dynamic_sampling.enabled=true", "algorithm.dynamic_sampling.criterion=episode_return",
-                      "algorithm.dynamic_sampling.max_rounds=4"],
+    "gigpo_rollout_logp": [*_GIGPO, "trainer.old_log_probs=rollout", "algorithm.rollout_correction.mode=mis"],
+    "gigpo_dynamic": [*_GIGPO, "algorithm.dynamic_sampling.enabled=true",
+                      "algorithm.dynamic_sampling.criterion=episode_return", "algorithm.dynamic_sampling.max_rounds=4"],
 }
 
 
