@@ -47,8 +47,10 @@ MODES: dict[str, tuple[str, ...]] = {
     "k1": ASYNC + ("rollout.asynchronous.max_staleness=1",),
     "k2": ASYNC + ("rollout.asynchronous.max_staleness=2",),
 }
+# trainer.old_log_probs=recompute in every mode: asynchronous rollout needs it (the main job's recipe takes the
+# engine's), and the synchronous baseline then does the same work per row.
 SHRINK = ("env.num_groups=8", "rollout.n=4", "env.max_steps=4", "trainer.ppo_mini_batch_size=16",
-          "model.init=random", "sft.enabled=false")
+          "model.init=random", "sft.enabled=false", "trainer.old_log_probs=recompute")
 
 
 def _train(recipe: str, out: Path, mode: str, iterations: int, latency: float, overrides: list[str]) -> list[dict]:

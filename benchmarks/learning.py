@@ -39,7 +39,8 @@ held-out tasks, paired on tasks and seeds (:func:`paired_bootstrap`), for each m
 machine (2026-12-05, a slow day: ~90 s per iteration of the main job's recipe, ~55 s per 512-room validation):
 the four methods at 3 seeds and 5 iterations took ~110 minutes for their 12 runs (6-11 minutes each) after a
 13-minute cold start; on a normal day of that machine (~45 s per iteration) about 70 minutes in all. An existing ``--out`` folder's cold start
-and finished runs are reused, so change ``--out`` when the recipe or the iteration count changes.
+and finished runs are reused, and an unfinished run resumes from its last checkpoint (one kept, every ``--save-every``
+iterations, default 5), so change ``--out`` when the recipe or the iteration count changes.
 """
 
 from __future__ import annotations
@@ -91,7 +92,10 @@ def run(args: argparse.Namespace) -> dict:
     from megatron_gigpo.config import load_config
 
     out = Path(args.out).resolve()
-    base = [f"trainer.output_dir={out}", "logging.progress_bars=false", *args.overrides]
+    # Every method recomputes the old log-probs (the recipe's default until 2026-12-07, when the main job began to
+    # take the engine's), as the recorded runs did; gigpo_rollout_logp overrides it.
+    base = [f"trainer.output_dir={out}", "logging.progress_bars=false", "trainer.old_log_probs=recompute",
+            *args.overrides]
     cfg = load_config(args.recipe, base + ["trainer.experiment_name=cold-start"])
     env = cfg.env.name
     iterations = cfg.trainer.total_iterations if args.iterations is None else args.iterations
@@ -109,7 +113,7 @@ def run(args: argparse.Namespace) -> dict:
                 _cli("train", args.recipe, *base, f"trainer.experiment_name={name}", f"model.path={model}",
                      "model.init=pretrained", "sft.enabled=false", f"trainer.total_iterations={iterations}",
                      f"trainer.seed={seed}", f"env.seed={seed}", "trainer.val_before_train=true",
-                     "checkpoint.save_every=0", *overrides)
+                     f"checkpoint.save_every={args.save_every}", "checkpoint.keep_last=1", *overrides)
             records = _records(out / name)
             curves[method].append(_curve(records, val_key))
             train_records = [r for r in records if r["step"] > 0]
@@ -291,6 +295,8 @@ def main() -> None:
     parser.add_argument("--methods", type=_methods, default=list(METHODS),
                         help=f"comma-separated subset of {','.join(METHODS)} (gigpo and grpo are required)")
     parser.add_argument("--out", default=str(ROOT / "runs/learning-benchmark"))
+    parser.add_argument("--save-every", type=int, default=5,
+                        help="checkpoint every N iterations (0: never): a stopped run resumes from its last one")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides for every run")
     args = parser.parse_args()
     delta = summarize(run(args))

@@ -17,14 +17,28 @@ SHARED = Path(os.environ.get("MEGATRON_GIGPO_SHARED_DIR") or Path(__file__).reso
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (``--dist loadgroup``)
 def pytest_collection_modifyitems(config, items):
-    # One xdist group per test file (module-scoped fixtures are built once); groups with a `slow` test first
-    # (stable otherwise), so that the two workers do not end on one long file each while the other waits (with
-    # --no-loadscope-reorder, xdist hands out groups in this order). The costly session fixture
-    # (``small_cold_start``) is shared by the workers through a file lock (tests/driver/conftest.py), so the files
-    # that use it are spread over both. Without xdist the marker does nothing.
+    # One xdist group per test file (module-scoped fixtures are built once); xdist hands the groups out in this
+    # order (--no-loadscope-reorder), so the order decides whether a worker waits:
+    #   0. the first file that uses the costly session fixture ``small_cold_start`` (its worker builds it, a few
+    #      minutes, under a file lock shared by the workers: tests/driver/conftest.py);
+    #   1. the other files with a `slow` test, so that the two workers do not end on one long file each;
+    #   2. the other files that use ``small_cold_start``: by then it is built, so the other worker does not sit
+    #      idle at the lock (placed right after the first, they waited ~4 minutes for it);
+    #   3. the rest (collection order within each rank). Without xdist the markers do nothing.
     group = {item.nodeid: item.nodeid.split("::", 1)[0] for item in items}
     slow_groups = {group[item.nodeid] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: group[item.nodeid] not in slow_groups)
+    cold_groups = [group[item.nodeid] for item in items if "small_cold_start" in item.fixturenames]
+    builder = cold_groups[0] if cold_groups else None
+
+    def rank(item) -> int:
+        name = group[item.nodeid]
+        if name == builder:
+            return 0
+        if name in cold_groups:
+            return 2
+        return 1 if name in slow_groups else 3
+
+    items.sort(key=rank)
     for item in items:
         item.add_marker(pytest.mark.xdist_group(group[item.nodeid]))
     if torch.cuda.is_available():

@@ -39,6 +39,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slo
 ROOT = Path(__file__).resolve().parents[2]
 ASYNC = ("rollout.weight_sync_mode=disaggregated", "rollout.asynchronous.enabled=true",
          "rollout.asynchronous.max_staleness=1", "algorithm.rollout_correction.mode=tis", "logging.progress_bars=false",
+         "trainer.old_log_probs=recompute",  # the recipe takes the engine's; asynchronous rollout needs recompute
          "model.init=pretrained", "sft.enabled=false")
 ITERATIONS, NUM_GROUPS, KILL_AT_STEP = 4, 4, 2
 SMALL = (f"trainer.total_iterations={ITERATIONS}", f"env.num_groups={NUM_GROUPS}", "rollout.n=4", "env.max_steps=4",
