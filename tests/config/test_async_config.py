@@ -15,7 +15,7 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 CPU_SOKOBAN = RECIPES / "cpu" / "sokoban.yaml"
 # A valid asynchronous layout of the CPU recipe: engines of their own, recomputed proximal policy, TIS.
 VALID = ["rollout.asynchronous.enabled=true", "rollout.weight_sync_mode=disaggregated",
-         "algorithm.rollout_correction.mode=tis"]
+         "algorithm.rollout_correction.mode=tis", "trainer.old_log_probs=recompute"]  # the recipe takes the engine's
 
 
 def _recipes() -> list[Path]:

@@ -158,10 +158,12 @@ def test_plan_summary_counts_in_the_singular(capsys):
 
 def test_validate_plan_prints_asynchronous_rollout(capsys):
     """``rollout.asynchronous`` (docs/async-rollout-design.md D9): one line naming the staleness bound, and the total
-    says it; a synchronous plan has neither. The CPU recipe's rollout_correction.mode=none is refused with it
-    (rollout.config.async_errors), so the override sets tis."""
+    says it; a synchronous plan has neither. The CPU recipe's rollout_correction.mode=none and
+    trainer.old_log_probs=rollout are refused with it (rollout.config.async_errors), so the overrides set tis and
+    recompute."""
     recipe, on = RECIPES / "cpu/sokoban.yaml", ["rollout.weight_sync_mode=disaggregated",
-                                                "rollout.asynchronous.enabled=true", "algorithm.rollout_correction.mode=tis"]
+                                                "rollout.asynchronous.enabled=true", "algorithm.rollout_correction.mode=tis",
+                                                "trainer.old_log_probs=recompute"]
     assert main(["validate", str(recipe), *on, "--plan"]) == 0
     out = capsys.readouterr().out
     assert "rollout: asynchronous, groups at most 1 version old; engines generate while the actor trains\n" in out
