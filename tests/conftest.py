@@ -23,7 +23,8 @@ def pytest_collection_modifyitems(config, items):
     #      minutes, under a file lock shared by the workers: tests/driver/conftest.py);
     #   1. the other files with a `slow` test, so that the two workers do not end on one long file each;
     #   2. the other files that use ``small_cold_start``: by then it is built, so the other worker does not sit
-    #      idle at the lock (placed right after the first, they waited ~4 minutes for it);
+    #      idle at the lock (in collection order they came 5th, 7th, 8th and 10th: the 7th's worker reached the
+    #      lock a minute or two into the 5th's build, which takes 2-7 minutes);
     #   3. the rest (collection order within each rank). Without xdist the markers do nothing.
     group = {item.nodeid: item.nodeid.split("::", 1)[0] for item in items}
     slow_groups = {group[item.nodeid] for item in items if item.get_closest_marker("slow")}

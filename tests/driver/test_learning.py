@@ -39,6 +39,10 @@ token scatter shifted one token                    0.186, 0.185, 0.185    1e-5  
 in actor/update.py; 2026-12-06)
 =================================================  =====================  ==================  =================
 
+Those runs recomputed the old log-probs; since 2026-12-07 the recipe takes the float32 engine's
+(``trainer.old_log_probs: rollout``, the same update to ~1e-5), and this test passed with it. The mutations act
+on the update or the sync, which that does not change.
+
 A row's advantage is the same on all its tokens, so a scatter shifted by one token changes only each reply's
 first token (it gets the padding's 0), here the first token of ``<think>``: after the cold start its
 probability is ~1 and its gradient ~0, so the update barely changes (iteration 1's update effect equals the
