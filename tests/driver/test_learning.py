@@ -40,8 +40,9 @@ in actor/update.py; 2026-12-06)
 =================================================  =====================  ==================  =================
 
 Those runs recomputed the old log-probs; since 2026-12-07 the recipe takes the float32 engine's
-(``trainer.old_log_probs: rollout``, the same update to ~1e-5), and this test passed with it. The mutations act
-on the update or the sync, which that does not change.
+(``trainer.old_log_probs: rollout``, the same update to ~1e-5), and this test passed with it; the advantage
+sign flipped still fails it (update effect of positive rows -0.0035 against -0.0009 of negative ones, means
+over the three iterations; 2026-12-07).
 
 A row's advantage is the same on all its tokens, so a scatter shifted by one token changes only each reply's
 first token (it gets the padding's 0), here the first token of ``<think>``: after the cold start its
