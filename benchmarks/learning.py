@@ -58,8 +58,8 @@ ROOT = Path(__file__).resolve().parents[1]
 _GIGPO = ["algorithm.adv_estimator=gigpo", "algorithm.mode=mean_std_norm", "algorithm.step_advantage_w=1.0"]
 METHODS: dict[str, list[str]] = {
     "gigpo": _GIGPO,
-    "gigpo_mean_norm": ["algorithm.adv_estimator=gigpo", "algorithm.mode=mean_norm", "algorithm.step_advantage_w=1.0"],
-    "gigpo_no_step": ["algorithm.adv_estimator=gigpo", "algorithm.mode=mean_std_norm", "algorithm.step_advantage_w=0.0"],
+    "gigpo_mean_norm": [*_GIGPO, "algorithm.mode=mean_norm"],  # a later override wins
+    "gigpo_no_step": [*_GIGPO, "algorithm.step_advantage_w=0.0"],
     "grpo": ["algorithm.adv_estimator=grpo", "algorithm.mode=mean_std_norm"],
     # Issue #41 item 2: the PPO ratio's denominator from the engines' sampling log-probs, no recompute pass.
     "gigpo_rollout_logp": [*_GIGPO, "trainer.old_log_probs=rollout", "algorithm.rollout_correction.mode=mis"],

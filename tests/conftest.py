@@ -28,8 +28,8 @@ def pytest_collection_modifyitems(config, items):
     #   3. the rest (collection order within each rank). Without xdist the markers do nothing.
     group = {item.nodeid: item.nodeid.split("::", 1)[0] for item in items}
     slow_groups = {group[item.nodeid] for item in items if item.get_closest_marker("slow")}
-    cold_groups = [group[item.nodeid] for item in items if "small_cold_start" in item.fixturenames]
-    builder = cold_groups[0] if cold_groups else None
+    cold = [group[item.nodeid] for item in items if "small_cold_start" in item.fixturenames]
+    builder, cold_groups = (cold[0] if cold else None), set(cold)
 
     def rank(item) -> int:
         name = group[item.nodeid]
