@@ -110,10 +110,11 @@ def run(args: argparse.Namespace) -> dict:
             overrides = METHODS[method]
             name = f"{method}-seed{seed}"
             if not (out / name / "metrics.jsonl").is_file() or len(_records(out / name)) <= iterations:
-                _cli("train", args.recipe, *base, f"trainer.experiment_name={name}", f"model.path={model}",
+                # The checkpoint keys come before the user's overrides (a checkpoint.keep_last=N there wins).
+                _cli("train", args.recipe, f"checkpoint.save_every={args.save_every}", "checkpoint.keep_last=1",
+                     *base, f"trainer.experiment_name={name}", f"model.path={model}",
                      "model.init=pretrained", "sft.enabled=false", f"trainer.total_iterations={iterations}",
-                     f"trainer.seed={seed}", f"env.seed={seed}", "trainer.val_before_train=true",
-                     f"checkpoint.save_every={args.save_every}", "checkpoint.keep_last=1", *overrides)
+                     f"trainer.seed={seed}", f"env.seed={seed}", "trainer.val_before_train=true", *overrides)
             records = _records(out / name)
             curves[method].append(_curve(records, val_key))
             train_records = [r for r in records if r["step"] > 0]
