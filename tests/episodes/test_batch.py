@@ -50,6 +50,8 @@ def test_response_lengths_and_advantage_inputs_are_the_rows():
     batch = _rows(["a", "a", "b"], ["a-n0", "a-n1", "b-n0"], lengths=[3, 1, 4])
     lengths = batch.response_lengths()
     assert lengths.dtype == torch.int64 and lengths.tolist() == [3, 1, 4]
+    empty = _rows([], []).response_lengths()  # no rows: still int64 (torch.tensor([]) alone is float32)
+    assert empty.dtype == torch.int64 and empty.shape == (0,)
     inputs = batch.advantage_inputs()
     assert inputs.uid is batch.uid and inputs.traj_id is batch.traj_id and inputs.anchor is batch.anchor
     assert inputs.step_index is batch.step_index and inputs.env_reward is batch.env_reward

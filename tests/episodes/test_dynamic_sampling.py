@@ -218,3 +218,69 @@ def test_each_round_gets_its_own_reset_and_sampling_seeds():
     assert len(set(draws)) == 3 and draws[0] == step_sampling(sampling, 2, 0, False).seed
     assert dataclasses.replace(sampling, temperature=0.0) == step_sampling(
         dataclasses.replace(sampling, temperature=0.0), 2, 0, False, round_index=1)
+
+
+# Edges found by mutation testing (issue #43 item 3).
+
+
+def test_argument_checks_and_a_single_round():
+    fn, asked = _rounds([{"g0": GROUPS["g0"], "g1": GROUPS["g1"]}] * 2)
+    for num_groups, max_rounds in ((0, 1), (1, 0)):
+        with pytest.raises(ValueError, match=f"num_groups={num_groups} and max_rounds={max_rounds} must be >= 1"):
+            collect_informative(fn, num_groups=num_groups, criterion="episode_return", max_rounds=max_rounds)
+    assert asked == []
+    batch, m = collect_informative(fn, num_groups=1, criterion="episode_return", max_rounds=1)
+    assert asked == [0] and list(dict.fromkeys(batch.uid)) == ["it0-r0-g1"] and m["dynamic_sampling/rounds"] == 1
+
+
+def test_a_return_spread_of_exactly_return_atol_is_no_signal():
+    from megatron_gigpo.episodes.dynamic_sampling import RETURN_ATOL
+
+    batch = _batch({"g0": [[("s0", 0.0)], [("s0", RETURN_ATOL)]], "g1": [[("s0", 0.0)], [("s0", 2 * RETURN_ATOL)]]})
+    assert informative_uids(batch, "episode_return") == ["it0-g1"]
+
+
+def test_rounds_filter_with_the_run_estimator_and_warn_only_when_short(caplog):
+    fn, _ = _rounds([GROUPS])
+    batch, m = collect_informative(fn, num_groups=1, criterion="joint", max_rounds=1, estimator="grpo", params=PARAMS)
+    assert m["dynamic_sampling/informative_groups"] == 1  # g2 has step signal only: GRPO does not see it
+    assert caplog.text == ""  # enough groups: no warning
+    fn, _ = _rounds([GROUPS])
+    _, m = collect_informative(fn, num_groups=1, criterion="joint", max_rounds=1, estimator="gigpo", params=PARAMS)
+    assert m["dynamic_sampling/informative_groups"] == 2
+
+
+def test_groups_without_rows_count_as_collected_and_filtered():
+    """``extras['num_groups']`` counts groups whose episodes all failed (no rows); an empty round is all filtered."""
+    def collect_round(k):
+        batch = _batch({"g0": GROUPS["g0"], "g1": GROUPS["g1"]} if k == 0 else {}, prefix=f"it0-r{k}")
+        batch.extras["num_groups"] = 3 if k == 0 else 0
+        return batch, {}
+
+    _, m = collect_informative(collect_round, num_groups=1, criterion="episode_return", max_rounds=1)
+    assert m["dynamic_sampling/filtered_group_frac"] == pytest.approx(1 - 1 / 3)
+    _, m = collect_informative(lambda k: collect_round(1), num_groups=1, criterion="episode_return", max_rounds=2)
+    assert m["dynamic_sampling/filtered_group_frac"] == 1.0 and m["dynamic_sampling/rounds"] == 2
+
+
+def test_round_metrics_merge():
+    """``timing/*`` and ``workers/*`` are summed over rounds (a key may first appear in a later round), other
+    keys are round 0's; ``episode/*`` is recomputed when the batch names its environment, else round 0's."""
+    rounds = [{"episode/count": 5.0, "episode/stale": 1.0, "timing/a_s": 1.0, "workers/busy": 2.0, "other": 0.0},
+              {"episode/count": 7.0, "timing/a_s": 2.0, "timing/late_s": 4.0, "workers/busy": 3.0, "other": 1.0}]
+    flat = {"g0": GROUPS["g0"]}
+
+    def bare_round(k):  # no per-batch extras at all: groups are counted from the uids
+        batch = _batch(flat, prefix=f"it0-r{k}")
+        batch.extras = {}
+        return batch, rounds[k]
+
+    _, m = collect_informative(bare_round, num_groups=1, criterion="episode_return", max_rounds=2)
+    assert {k: v for k, v in m.items() if not k.startswith("dynamic_sampling/")} == {
+        "episode/count": 5.0, "episode/stale": 1.0, "timing/a_s": 3.0, "workers/busy": 5.0, "other": 0.0,
+        "timing/late_s": 4.0}
+    assert m["dynamic_sampling/filtered_group_frac"] == 1.0
+
+    _, m = collect_informative(lambda k: (_batch(flat, prefix=f"it0-r{k}"), rounds[k]), num_groups=1,
+                               criterion="episode_return", max_rounds=2)
+    assert "episode/stale" not in m and m["episode/count"] == 4 and m["episode/sokoban/success_rate"] == 0.0
