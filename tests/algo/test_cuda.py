@@ -12,6 +12,7 @@ from algo_batches import random_rows
 
 from megatron_gigpo.config import AlgorithmConfig
 from megatron_gigpo.algo.advantages import compute_advantages
+from megatron_gigpo.algo.returns import trajectory_layout
 from megatron_gigpo.algo.scatter import scatter_advantages_packed, scatter_advantages_padded
 
 pytestmark = pytest.mark.gpu
@@ -48,6 +49,12 @@ def test_cuda_matches_cpu(name):
     torch.testing.assert_close(cuda.advantage.cpu(), cpu.advantage, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(cuda.episode_advantage.cpu(), cpu.episode_advantage, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(cuda.step_returns.cpu(), cpu.step_returns, rtol=1e-12, atol=1e-12)
+
+
+def test_empty_layout_stays_on_cuda():
+    empty = torch.zeros(0, dtype=torch.int64, device="cuda")
+    traj_len, next_row = trajectory_layout(empty, empty)
+    assert traj_len.is_cuda and next_row.is_cuda
 
 
 @pytest.mark.parametrize("rows", [1, 1000, 100_000])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,7 @@ from hypothesis import strategies as st
 
 from megatron_gigpo.algo.grouping import factorize
 from megatron_gigpo.algo.oracle import oracle_step_returns
-from megatron_gigpo.algo.returns import discounted_step_returns, episode_returns
+from megatron_gigpo.algo.returns import discounted_step_returns, episode_returns, trajectory_layout
 
 pytestmark = pytest.mark.unit
 
@@ -89,3 +91,58 @@ def test_bad_rewards():
         discounted_step_returns(codes, steps, torch.tensor([0.0, 1.0]), 0.9)
     with pytest.raises(ValueError, match="step_index must be \\(2,\\)"):
         discounted_step_returns(codes, torch.tensor([0]), torch.tensor([0.0, 1.0], dtype=torch.float64), 0.9)
+
+
+def test_one_row_with_a_successor_is_discounted():
+    # Exactly one row has a successor: trajectory "a" has two steps, "b" and "c" one each.
+    got = _returns(["b", "a", "c", "a"], [0, 1, 0, 0], [5.0, 2.0, 7.0, 1.0], 0.5)
+    assert got.tolist() == [5.0, 2.0, 7.0, 2.0]
+
+
+def test_trajectory_layout_gives_lengths_and_successor_rows():
+    traj_len, next_row = trajectory_layout(torch.tensor([0, 1, 0, 0]), torch.tensor([2, 0, 0, 1]))
+    assert traj_len.tolist() == [3, 1] and next_row.tolist() == [-1, -1, 3, 0]
+    assert traj_len.dtype == next_row.dtype == torch.int64
+
+
+def test_trajectory_layout_of_no_rows_is_int64():
+    traj_len, next_row = trajectory_layout(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+    assert traj_len.shape == next_row.shape == (0,)
+    assert traj_len.dtype == next_row.dtype == torch.int64
+
+
+@pytest.mark.parametrize(
+    ("traj", "steps", "match"),
+    [
+        ([0, 0], [0, -1], r"^step_index must be >= 0; row 1 is negative$"),
+        ([0, 1, 1], [0, 0, 0], r"^trajectory 'b' has step_index 0 more than once \(row 1\)"),
+    ],
+)
+def test_step_errors_name_the_first_bad_row(traj, steps, match):
+    with pytest.raises(ValueError, match=match):
+        trajectory_layout(torch.tensor(traj), torch.tensor(steps), ["a", "b"])
+
+
+@pytest.mark.parametrize(
+    ("rewards", "shape"), [(torch.tensor(1.0, dtype=torch.float64), "()"), (torch.zeros(2, 1, dtype=torch.float64), "(2, 1)")]
+)
+def test_rewards_not_1d_raise_value_error(rewards, shape):
+    codes, steps = torch.tensor([0, 0]), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match=rf"^env_reward must be 1-D \(rows,\), got shape {re.escape(shape)}$"):
+        discounted_step_returns(codes, steps, rewards, 0.9)
+
+
+@pytest.mark.parametrize("name", ["traj_index", "step_index"])
+def test_index_errors_name_the_index(name):
+    good = dict(traj_index=torch.tensor([0, 0]), step_index=torch.tensor([0, 1]))
+    rewards = torch.tensor([0.0, 1.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match=rf"^{name} must be \(2,\) like env_reward, got shape \(1,\)$"):
+        discounted_step_returns(**{**good, name: torch.tensor([0])}, rewards=rewards, gamma=0.9)
+    with pytest.raises(ValueError, match=rf"^{name} must be int64, got torch.int32$"):
+        discounted_step_returns(**{**good, name: good[name].to(torch.int32)}, rewards=rewards, gamma=0.9)
+
+
+def test_non_finite_rewards_name_the_first_five_rows():
+    rewards = torch.tensor([0.0] + [float("nan")] * 6, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"non-finite at rows \[1, 2, 3, 4, 5\]$"):
+        discounted_step_returns(torch.zeros(7, dtype=torch.int64), torch.arange(7), rewards, 0.9)
