@@ -103,6 +103,9 @@ def test_rloo_refuses_std_normalisation():
 @example(rows=RowLists(["u0"] * 5, ["t0"] * 5, [0, 1, 2, 3, 4], ["k", "k.", "k", "k.", "k."],
                        [0.0, -0.1, 10.0, 10.0, -0.1], [True, False, False, False, False]),
          mode="mean_std_norm", stats="trajectory", w=0.0, gamma=1.0)
+# One trajectory, every action invalid: the oracle's per-row values differ by ~1e-15, over std + epsilon.
+@example(rows=RowLists(["u0"] * 3, ["t0"] * 3, [0, 1, 2], ["a", "b", "c"], [1.0, 10.0, -0.1], [False] * 3),
+         mode="mean_std_norm", stats="per_step_row", w=0.0, gamma=0.1)
 def test_paper_and_parity_modes_match_oracle(rows, mode, stats, w, gamma):
     _assert_matches_oracle("gigpo", rows, _params(mode=mode, episode_stats=stats, step_advantage_w=w, gamma=gamma))
 
