@@ -28,16 +28,25 @@ CPU = torch.device("cpu")
 
 
 def _numpy_bytes(fn):
-    """Run ``fn()``; return its result and the bytes numpy allocated meanwhile that are still alive."""
-    tracemalloc.start()
+    """Run ``fn()``; return its result and the bytes numpy allocated meanwhile that are still alive.
+
+    Counts the growth of numpy's traced bytes, so that tracing already on (``PYTHONTRACEMALLOC``, ``-X
+    tracemalloc``) neither adds older allocations nor gets switched off here."""
+    numpy_only = [tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)]
+
+    def traced() -> int:
+        return sum(stat.size for stat in tracemalloc.take_snapshot().filter_traces(numpy_only).statistics("filename"))
+
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
     try:
+        before = traced()
         result = fn()
-        snap = tracemalloc.take_snapshot().filter_traces(
-            [tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)]
-        )
-        return result, sum(stat.size for stat in snap.statistics("filename"))
+        return result, traced() - before
     finally:
-        tracemalloc.stop()
+        if started:
+            tracemalloc.stop()
 
 
 def test_backend_dispatch():
