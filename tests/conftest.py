@@ -3,6 +3,10 @@
 Tests that read ../shared skip when it (or a file they need in it) is missing, so that a checkout without it
 still runs the rest; with ``CI=true`` (as on CI, and as the Slurm tests read it) they fail instead, so a CI
 run without its data cannot pass. ``scripts/test.sh`` refuses to start without the folder.
+
+Property tests (hypothesis) draw a fixed sequence of examples (profile ``ci``: ``derandomize=True``), so that a run
+cannot fail on a case no earlier run drew; ``HYPOTHESIS_PROFILE=explore`` draws new random examples each run (to
+look for cases; pin what it finds with ``@example``).
 """
 
 import os
@@ -13,6 +17,14 @@ import torch
 
 # ../shared beside the checkout; MEGATRON_GIGPO_SHARED_DIR for a copy of the tests elsewhere (mutmut's mutants/).
 SHARED = Path(os.environ.get("MEGATRON_GIGPO_SHARED_DIR") or Path(__file__).resolve().parents[1].parent / "shared")
+
+
+def pytest_configure(config):
+    from hypothesis import settings
+
+    settings.register_profile("ci", derandomize=True)
+    settings.register_profile("explore", derandomize=False)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (``--dist loadgroup``)
